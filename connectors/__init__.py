@@ -1,0 +1,1 @@
+"""Thin engine adapters for kvstore (vLLM first). No policy and no I/O here."""

@@ -1,0 +1,83 @@
+"""The ``kvstore`` command: bench, inspect, stats, config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _bench(argv: list[str]) -> int:
+    modes = {"tiers": "bench.tiers"}
+    if not argv or argv[0] not in modes:
+        print(f"usage: kvstore bench {{{','.join(modes)}}} [options]   (kvstore bench MODE --help)", file=sys.stderr)
+        return 2
+    import importlib
+
+    mod = importlib.import_module(modes[argv[0]])
+    p = argparse.ArgumentParser(prog=f"kvstore bench {argv[0]}", description=mod.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_args(p)
+    mod.run(p.parse_args(argv[1:]))
+    return 0
+
+
+def _inspect(argv: list[str]) -> int:
+    from kvstore.inspect import inspect_folder, render
+
+    p = argparse.ArgumentParser(prog="kvstore inspect", description="What an NVMe tier folder holds.")
+    p.add_argument("dir", help="the tier's path (the folder named in tiers.nvme.path)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    a = p.parse_args(argv)
+    info = inspect_folder(a.dir)
+    print(json.dumps(info, indent=2) if a.json else render(info))
+    return 0
+
+
+def _stats(argv: list[str]) -> int:
+    from kvstore.stats import fetch, render
+
+    p = argparse.ArgumentParser(prog="kvstore stats", description="Hit rates, miss reasons and tier usage "
+                                "of a running store, read from its Prometheus endpoint.")
+    p.add_argument("--url", default="http://127.0.0.1:9400/metrics", help="the store's metrics URL")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    s = fetch(a.url)
+    print(json.dumps(s, indent=2) if a.json else render(s))
+    return 0
+
+
+def _config(argv: list[str]) -> int:
+    from kvstore.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="kvstore config", description="Validate a config and print it resolved.")
+    p.add_argument("path", nargs="?", default=None)
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+COMMANDS = {"bench": _bench, "inspect": _inspect, "stats": _stats, "config": _config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: kvstore {bench,inspect,stats,config} ...\n\n"
+              "  bench tiers      store/load throughput per tier vs. memcpy and O_DIRECT limits\n"
+              "  inspect DIR      what an NVMe tier folder holds (--json)\n"
+              "  stats            hit rates and miss reasons of a running store (--url)\n"
+              "  config [PATH]    validate a config file and print it resolved", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Tier accounting: capacity in bytes, idle TTL, pins and two-phase entries. No I/O, no clock.
+
+This is the code both the live store and the TTL tuner run, so a simulated hit rate is the
+store's hit rate. Every method takes ``now`` explicitly.
+
+Life of an entry: ``reserve`` (WRITING, pinned: invisible to lookups, never evicted) ->
+``commit`` (READY) or ``abort`` (gone). A READY entry can be ``pin``-ned while it is read, and
+is then never evicted until ``unpin``. Eviction order: expired entries first, then the
+policy's victims, skipping pinned and WRITING entries; the work per call is bounded.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Hashable, Iterable
+
+from kvstore.policy import Policy
+
+READY = 0
+WRITING = 1
+
+EXPIRED = "expired"
+CAPACITY = "capacity"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: Hashable
+    nbytes: int
+    last_access: float
+    expire_at: float
+    state: int = WRITING
+    pins: int = 0
+    slot: int = -1  # tier-private locator (a DRAM slot); -1 when unused
+    reason: str = ""  # why it left the index (EXPIRED / CAPACITY), set on eviction
+    ttl: float | None = None  # per-entry TTL (TTL classes); None = the tier's
+
+
+class TierIndex:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        ttl_s: float | None,
+        policy: Policy,
+        *,
+        max_expire_per_call: int = 256,
+        max_scan_per_call: int = 4096,
+    ) -> None:
+        assert capacity_bytes >= 0
+        self.capacity = int(capacity_bytes)
+        self.ttl = ttl_s
+        self.policy = policy
+        self.max_expire = max_expire_per_call
+        self.max_scan = max_scan_per_call
+        self.entries: dict[Hashable, Entry] = {}
+        self.used = 0
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._seq = 0
+
+    # -- queries -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.state == READY
+
+    def lookup(self, key: Hashable, now: float) -> Entry | None:
+        """The READY, unexpired entry for ``key``, or None. Does not refresh it."""
+        e = self.entries.get(key)
+        if e is None or e.state != READY or e.expire_at <= now:
+            return None
+        return e
+
+    def pending(self, key: Hashable) -> Entry | None:
+        e = self.entries.get(key)
+        return e if e is not None and e.state == WRITING else None
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    # -- time --------------------------------------------------------------------------------
+    def _ttl(self, e: Entry) -> float | None:
+        return self.ttl if e.ttl is None else e.ttl
+
+    def _set_expiry(self, e: Entry, now: float) -> None:
+        ttl = self._ttl(e)
+        e.last_access = now
+        e.expire_at = math.inf if ttl is None else now + ttl
+        if e.expire_at != math.inf:
+            self._seq += 1
+            heapq.heappush(self._heap, (e.expire_at, self._seq, e.key))
+            if len(self._heap) > 2 * len(self.entries) + 1024:
+                self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [(e.expire_at, i, e.key) for i, e in enumerate(self.entries.values()) if e.expire_at != math.inf]
+        heapq.heapify(self._heap)
+        self._seq = len(self._heap)
+
+    def touch(self, e: Entry, now: float, session: str | None = None) -> None:
+        """A hit: refresh recency and the idle TTL."""
+        self._set_expiry(e, now)
+        self.policy.touch(e.key, session)
+
+    def expire(self, now: float, limit: int | None = None) -> list[Entry]:
+        """Remove up to ``limit`` expired, unpinned entries (the oldest deadlines first)."""
+        limit = self.max_expire if limit is None else limit
+        out: list[Entry] = []
+        held: list[tuple[float, int, Hashable]] = []
+        heap = self._heap
+        popped = 0
+        while heap and heap[0][0] <= now and len(out) < limit and popped < self.max_scan:
+            popped += 1
+            item = heapq.heappop(heap)
+            e = self.entries.get(item[2])
+            if e is None or e.expire_at != item[0]:
+                continue  # stale heap item
+            if e.pins or e.state != READY:
+                held.append(item)
+                continue
+            self._drop(e, EXPIRED)
+            out.append(e)
+        for item in held:
+            heapq.heappush(heap, item)
+        return out
+
+    # -- two-phase insert ----------------------------------------------------------------------
+    def reserve(self, key: Hashable, nbytes: int, now: float, ttl: float | None = None) -> tuple[Entry | None, list[Entry]]:
+        """Make room and add ``key`` as WRITING (pinned). Returns (entry, evicted).
+
+        entry is None when there is no room (too big, or everything evictable is pinned); the
+        evicted list is still returned because expired entries may have been swept.
+        """
+        assert key not in self.entries, "reserve of a key already in the index"
+        evicted = self.expire(now)
+        if nbytes > self.capacity:
+            return None, evicted
+        need = self.used + nbytes - self.capacity
+        # expired entries go before any policy victim, even past the per-call sweep limit
+        while need > 0 and self._heap and self._heap[0][0] <= now:
+            more = self.expire(now, limit=1)
+            if not more:
+                break  # what is due is pinned
+            evicted.extend(more)
+            need -= more[0].nbytes
+        if need > 0:
+            victims = self._pick_victims(need)
+            if victims is None:
+                return None, evicted
+            for v in victims:
+                self._drop(v, CAPACITY)
+            evicted.extend(victims)
+        e = Entry(key=key, nbytes=nbytes, last_access=now, expire_at=math.inf, state=WRITING, pins=1, ttl=ttl)
+        self.entries[key] = e
+        self.used += nbytes
+        return e, evicted
+
+    def _pick_victims(self, need: int) -> list[Entry] | None:
+        got, picked, scanned = 0, [], 0
+        for k in self.policy.victims():
+            scanned += 1
+            if scanned > self.max_scan:
+                break
+            e = self.entries.get(k)
+            if e is None or e.pins or e.state != READY:
+                continue
+            picked.append(e)
+            got += e.nbytes
+            if got >= need:
+                return picked
+        return None
+
+    def commit(self, e: Entry, now: float, session: str | None = None) -> None:
+        assert e.state == WRITING and e.pins > 0 and self.entries.get(e.key) is e
+        e.state = READY
+        e.pins -= 1
+        self.policy.insert(e.key)
+        self.touch(e, now, session)
+
+    def abort(self, e: Entry) -> None:
+        assert e.state == WRITING and self.entries.get(e.key) is e
+        del self.entries[e.key]
+        self.used -= e.nbytes
+
+    def add_ready(self, key: Hashable, nbytes: int, last_access: float, now: float, ttl: float | None = None) -> tuple[Entry | None, list[Entry]]:
+        """Insert an existing READY item (start-up rebuild). Feed oldest first."""
+        e, evicted = self.reserve(key, nbytes, now, ttl)
+        if e is not None:
+            self.commit(e, last_access)
+        return e, evicted
+
+    # -- pins and removal ----------------------------------------------------------------------
+    def pin(self, e: Entry) -> None:
+        assert self.entries.get(e.key) is e
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        assert e.pins > 0
+        e.pins -= 1
+
+    def remove(self, key: Hashable, reason: str = "") -> Entry | None:
+        """Remove a READY, unpinned entry (e.g. corrupt on read). Returns it, or None."""
+        e = self.entries.get(key)
+        if e is None or e.state != READY or e.pins:
+            return None
+        self._drop(e, reason)
+        return e
+
+    def _drop(self, e: Entry, reason: str) -> None:
+        del self.entries[e.key]
+        self.policy.remove(e.key)
+        self.used -= e.nbytes
+        e.reason = reason
+
+    def keys(self) -> Iterable[Hashable]:
+        return [k for k, e in self.entries.items() if e.state == READY]
+
+    def check(self) -> None:
+        """Invariants (used by tests)."""
+        assert self.used == sum(e.nbytes for e in self.entries.values()), "used bytes drifted"
+        assert self.used <= self.capacity, f"over capacity: {self.used} > {self.capacity}"
+        ready = {k for k, e in self.entries.items() if e.state == READY}
+        assert len(self.policy) == len(ready), "policy and index disagree on the number of entries"
+        assert set(self.policy.victims()) == ready, "policy and index disagree on the keys"
+        due = {(item[0], item[2]) for item in self._heap}
+        for k, e in self.entries.items():
+            assert e.key == k
+            assert e.pins >= 0, f"negative pins on {k!r}"
+            if e.state == WRITING:
+                assert e.pins >= 1, "a WRITING entry must be pinned"
+            elif e.expire_at != math.inf:
+                assert (e.expire_at, k) in due, "an expiring entry is missing from the TTL heap"

@@ -1,0 +1,124 @@
+"""Block keys: a hash chain seeded by a model fingerprint.
+
+    root    = H(canonical encoding of the ModelFingerprint)
+    key_i   = H(key_{i-1} || tokens of block i || extra keys of block i)
+
+H is xxh3-128 (stable across processes, platforms and restarts; never Python's ``hash()``).
+Keys are 16-byte ``bytes``; ``key.hex()`` names files. Only *full* blocks get keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+
+
+def _h(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def encode(value: Any) -> bytes:
+    """A small, stable, type-tagged encoding of str/int/float/bytes/bool/None/tuples/lists/dicts.
+
+    Used for fingerprints and vLLM's extra keys (LoRA name, multimodal hashes, cache salt).
+    Unknown types raise TypeError rather than fall back to ``repr`` (which can vary).
+    """
+    if value is None:
+        return b"N"
+    if isinstance(value, bool):
+        return b"T" if value else b"F"
+    if isinstance(value, int):
+        s = str(value).encode()
+        return b"I" + struct.pack("<I", len(s)) + s
+    if isinstance(value, float):
+        return b"D" + struct.pack("<d", value)
+    if isinstance(value, str):
+        s = value.encode("utf-8")
+        return b"S" + struct.pack("<I", len(s)) + s
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        b = bytes(value)
+        return b"B" + struct.pack("<I", len(b)) + b
+    if isinstance(value, (tuple, list)):
+        return b"L" + struct.pack("<I", len(value)) + b"".join(encode(v) for v in value)
+    if isinstance(value, dict):
+        items = sorted((str(k), v) for k, v in value.items())
+        return b"M" + struct.pack("<I", len(items)) + b"".join(encode(k) + encode(v) for k, v in items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return encode(dataclasses.asdict(value))
+    raise TypeError(f"cannot encode {type(value).__name__} in a block key")
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything that determines the bytes of a block besides its tokens."""
+
+    model: str
+    revision: str = ""
+    dtype: str = "float16"
+    layout: str = "store"  # the store block format id / KV layout name
+    block_size: int = 16  # tokens per block
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    codec: str = "none"
+    extra: tuple = ()  # anything else (e.g. kv-cache dtype, pp rank)
+
+    def digest(self) -> bytes:
+        return _h(b"kvstore-fp-v1" + encode(dataclasses.asdict(self)))
+
+    def hex(self) -> str:
+        return self.digest().hex()
+
+
+def root_of(fingerprint: ModelFingerprint | bytes) -> bytes:
+    if isinstance(fingerprint, ModelFingerprint):
+        return fingerprint.digest()
+    if isinstance(fingerprint, (bytes, bytearray)) and len(fingerprint) == KEY_BYTES:
+        return bytes(fingerprint)
+    raise TypeError("fingerprint must be a ModelFingerprint or 16 digest bytes")
+
+
+def next_key(parent: bytes, block_tokens: Sequence[int] | np.ndarray, extra: Any = None) -> bytes:
+    toks = np.ascontiguousarray(block_tokens, dtype="<u4").tobytes()
+    tail = b"" if extra is None else encode(extra)
+    return _h(parent + struct.pack("<I", len(toks)) + toks + tail)
+
+
+def chain_keys(
+    fingerprint: ModelFingerprint | bytes,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: Any = None,
+    extra_per_block: Sequence[Any] | None = None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Keys of every *full* block of ``token_ids``.
+
+    ``extra`` applies to every block (e.g. a LoRA name, a cache salt); ``extra_per_block`` has
+    one value per full block (e.g. the multimodal hashes overlapping that block).
+    ``parent`` continues an existing chain (the key of the block before ``token_ids[0]``).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    toks = np.ascontiguousarray(token_ids, dtype=np.int64)
+    if toks.size and (toks.min() < 0 or toks.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    n = len(toks) // block_size
+    if extra_per_block is not None and len(extra_per_block) < n:
+        raise ValueError(f"extra_per_block has {len(extra_per_block)} values for {n} full blocks")
+    prev = root_of(fingerprint) if parent is None else parent
+    out = []
+    for i in range(n):
+        e = extra if extra_per_block is None else (extra, extra_per_block[i])
+        prev = next_key(prev, toks[i * block_size:(i + 1) * block_size], e)
+        out.append(prev)
+    return out

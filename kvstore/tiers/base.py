@@ -1,0 +1,242 @@
+"""The tier contract, shared by every medium.
+
+Index work (reserve/commit/acquire/release) happens under the tier's lock and is cheap; data
+movement (``write``/``read``) happens outside it, on entries that are pinned, so it can run on
+an I/O pool. Evicted entries go through ``on_evict`` (the store demotes them to the tier
+below) before the medium frees them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore.index import EXPIRED, READY, Entry, TierIndex
+from kvstore.policy import make_policy
+
+
+class Tier(ABC):
+    name: str = "tier"
+
+    def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
+                 clock: Callable[[], float] = time.time, entry_bytes: int | None = None):
+        self.block_bytes = int(block_bytes)
+        # what one block costs this medium (padding, header): the unit of capacity accounting
+        self.entry_bytes = int(entry_bytes or block_bytes)
+        self.clock = clock
+        self.index = TierIndex(capacity_bytes, ttl_s, make_policy(policy))
+        self.lock = threading.RLock()
+        self.on_evict: Callable[["Tier", list[Entry]], None] | None = None
+        self.stats = {"evicted": 0, "expired": 0, "corrupt": 0, "write_failed": 0}
+
+    # -- medium (no lock held; entries are pinned) -----------------------------------------------
+    @abstractmethod
+    def write(self, entry: Entry, src: np.ndarray) -> bool:
+        """Store ``src`` (block_bytes of uint8) for a reserved entry. False on failure."""
+
+    @abstractmethod
+    def read(self, entry: Entry, out: np.ndarray) -> bool:
+        """Fill ``out`` with a pinned entry's bytes. False if the medium failed or was corrupt."""
+
+    @abstractmethod
+    def _free(self, entry: Entry) -> None:
+        """Release the medium behind an entry that left the index."""
+
+    def _assign(self, entry: Entry, wait: bool = True) -> bool:
+        """Attach medium to a freshly reserved entry (e.g. a DRAM slot). False = no room."""
+        return True
+
+    # -- index (cheap, under the lock) -----------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        with self.lock:
+            return self.index.lookup(key, self.clock()) is not None
+
+    def reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> list[Entry | None]:
+        """Phase 1 of a write: WRITING entries (pinned), None where present, pending or no room.
+
+        Two passes: the index makes room under the lock; victims are handed to ``on_evict``
+        (demotion) and freed outside it; then the medium is attached (outside the lock: the
+        WRITING entries belong to this caller alone).
+        """
+        out: list[Entry | None] = []
+        evicted: list[Entry] = []
+        with self.lock:
+            now = self.clock()
+            for k in keys:
+                e = None
+                old = self.index.entries.get(k)
+                if old is not None and old.state == READY and old.expire_at <= now and not old.pins:
+                    evicted.append(self.index.remove(k, EXPIRED))  # present but expired: replace
+                    old = None
+                if old is None:
+                    e, ev = self.index.reserve(k, self.entry_bytes, now, ttl)
+                    evicted.extend(ev)
+                out.append(e)
+        try:
+            self._evict(evicted)
+        except BaseException:
+            with self.lock:
+                for e in out:
+                    if e is not None:
+                        self.index.abort(e)
+            raise
+        # Attach the medium outside the lock (the entries are WRITING and pinned: ours alone).
+        # A DRAM slot may still be held by a victim another thread is demoting; _assign waits.
+        failed = []
+        for i, e in enumerate(out):
+            if e is not None and not self._assign(e, wait=not failed):  # after one timeout, no more waits
+                failed.append(e)
+                out[i] = None
+        if failed:
+            with self.lock:
+                for e in failed:
+                    self.index.abort(e)
+                self.stats["no_room"] = self.stats.get("no_room", 0) + len(failed)
+        return out
+
+    def commit(self, entries: Sequence[Entry | None], oks: Sequence[bool], at: float | None = None,
+               session: str | None = None, keep_pinned: bool = False) -> None:
+        """Phase 2 of a write: make written entries visible, drop failed ones.
+
+        ``keep_pinned`` leaves committed entries pinned (atomically), for a caller that reads
+        them next; it must ``release`` them.
+        """
+        entries, oks = list(entries), list(oks)
+        if len(entries) != len(oks):
+            raise ValueError(f"commit: {len(oks)} results for {len(entries)} entries")
+        failed = []
+        with self.lock:
+            now = self.clock() if at is None else at
+            # last block first: within a batch (a prefix chain) the head ends most recent, so
+            # the policy evicts a chain from its tail (a chain without its head is unreachable)
+            for e, ok in zip(reversed(entries), reversed(oks)):
+                if e is None:
+                    continue
+                if ok:
+                    self.index.commit(e, now, session)
+                    if keep_pinned:
+                        self.index.pin(e)
+                else:
+                    self.index.abort(e)
+                    failed.append(e)
+        for e in failed:
+            self._free(e)
+
+    def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
+        """Pin READY entries for reading. A hit refreshes recency and TTL (``touch=False``: the
+        caller decides later, with :meth:`touch`, which of them count as hits)."""
+        out = []
+        with self.lock:
+            now = self.clock()
+            for k in keys:
+                e = self.index.lookup(k, now)
+                if e is not None:
+                    self.index.pin(e)
+                out.append(e)
+            if touch:
+                self._touch_locked(out, now, session)
+        return out
+
+    def touch(self, entries: Sequence[Entry | None], session: str | None = None) -> None:
+        """Count pinned entries as hits (refresh recency and TTL)."""
+        with self.lock:
+            self._touch_locked(entries, self.clock(), session)
+
+    def _touch_locked(self, entries: Sequence[Entry | None], now: float, session: str | None) -> None:
+        for e in reversed(entries):  # head of the chain ends most recent (see commit)
+            if e is not None and self.index.entries.get(e.key) is e:
+                self.index.touch(e, now, session)
+
+    def holds(self, key: bytes) -> bool:
+        """READY and unexpired, or being written (WRITING)."""
+        with self.lock:
+            return self.index.lookup(key, self.clock()) is not None or self.index.pending(key) is not None
+
+    def is_expired(self, key: bytes) -> bool:
+        """Still in the index, but past its TTL (not yet swept)."""
+        with self.lock:
+            e = self.index.entries.get(key)
+            return e is not None and e.state == READY and e.expire_at <= self.clock()
+
+    def release(self, entries: Sequence[Entry | None], oks: Sequence[bool] | None = None) -> None:
+        """Unpin after a read; an entry whose read failed is removed (corrupt or gone)."""
+        dropped = []
+        with self.lock:
+            for i, e in enumerate(entries):
+                if e is None:
+                    continue
+                self.index.unpin(e)
+                if oks is not None and not oks[i]:
+                    gone = self.index.remove(e.key, "corrupt")
+                    if gone is not None:
+                        dropped.append(gone)
+        for e in dropped:
+            self._free(e)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        gone = []
+        with self.lock:
+            for k in keys:
+                e = self.index.remove(k, "removed")
+                if e is not None:
+                    gone.append(e)
+        for e in gone:
+            self._free(e)
+        return len(gone)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Expire what is due (bounded); expired entries still go through ``on_evict``."""
+        with self.lock:
+            ev = self.index.expire(self.clock(), limit)
+        self._evict(ev)
+        return len(ev)
+
+    def _evict(self, evicted: list[Entry]) -> None:
+        if not evicted:
+            return
+        exp = sum(1 for e in evicted if e.reason == EXPIRED)
+        self.count("expired", exp)
+        self.count("evicted", len(evicted) - exp)
+        try:
+            if self.on_evict is not None:
+                self.on_evict(self, evicted)
+        finally:
+            for e in evicted:
+                self._free(e)
+
+    def count(self, stat: str, n: int = 1) -> None:
+        """Add to a tier statistic (thread-safe)."""
+        if n:
+            with self.lock:
+                self.stats[stat] = self.stats.get(stat, 0) + n
+
+    # -- conveniences (used by tests and simple callers) -------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray]) -> int:
+        entries = self.reserve(keys)
+        oks = [self.write(e, b) if e is not None else False for e, b in zip(entries, blocks)]
+        self.commit(entries, oks)
+        return sum(oks)
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
+        entries = self.acquire(keys)
+        oks = [self.read(e, o) if e is not None else False for e, o in zip(entries, outs)]
+        self.release(entries, oks)
+        return oks
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def close(self) -> None:
+        pass
