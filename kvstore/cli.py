@@ -9,7 +9,7 @@ import sys
 
 
 def _bench(argv: list[str]) -> int:
-    modes = {"tiers": "bench.tiers"}
+    modes = {"tiers": "bench.tiers", "e2e": "bench.e2e"}
     if not argv or argv[0] not in modes:
         print(f"usage: kvstore bench {{{','.join(modes)}}} [options]   (kvstore bench MODE --help)", file=sys.stderr)
         return 2

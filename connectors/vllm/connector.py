@@ -1,0 +1,216 @@
+"""KVStoreConnector: vLLM's KV connector API (``KVConnectorBase_V1``) onto kvstore.
+
+Translation only: the scheduler half turns vLLM requests and scheduler outputs into
+:class:`kvstore.offload.Planner` calls, the worker half hands the step's plan and the paged KV
+tensors to :class:`kvstore.offload.Mover`. Loads are synchronous within the step (the
+blocks are already in pinned DRAM: NVMe blocks are prefetched before the request is
+scheduled), stores gather new full blocks after the forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore import kvcopy
+from kvstore.config import load_config
+from kvstore.keys import ModelFingerprint
+from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
+                             find, release_shared)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: shows in its log
+
+
+class KVStoreMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+
+
+def _tp_rank(vllm_config: "VllmConfig") -> tuple[int, int]:
+    size = vllm_config.parallel_config.tensor_parallel_size
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank(), size
+    except Exception:  # scheduler process: no TP group
+        return 0, size
+
+
+def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", codec: str) -> tuple[ModelFingerprint, int, list[str]]:
+    """(fingerprint, bytes per block across layers, layer names in order)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"KVStoreConnector supports one KV cache group, got {len(groups)} "
+                         "(hybrid models need --disable-hybrid-kv-cache-manager)")
+    spec = groups[0].kv_cache_spec
+    layers = list(groups[0].layer_names)
+    mc = vllm_config.model_config
+    rank, size = _tp_rank(vllm_config)
+    fp = ModelFingerprint(
+        model=str(mc.model), revision=str(mc.revision or ""), dtype=str(spec.dtype),
+        layout=f"kvstore-block-v{kvcopy.STORE_FORMAT_VERSION}", block_size=int(spec.block_size),
+        num_layers=len(layers), num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
+        tp_rank=rank, tp_size=size, codec=codec,
+        extra=(("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),
+               ("head_size_v", int(getattr(spec, "head_size_v", spec.head_size))),
+               ("tokenizer", str(mc.tokenizer)), ("quantization", str(mc.quantization))),
+    )
+    return fp, int(spec.page_size_bytes) * len(layers), layers
+
+
+def _request_extra(request: "Request"):
+    """Everything besides token ids that changes a request's KV: LoRA and cache salt."""
+    lora = request.lora_request
+    lora_key = (lora.lora_name, str(getattr(lora, "lora_path", "") or "")) if lora is not None else None
+    salt = getattr(request, "cache_salt", None)
+    if lora_key is None and salt is None:
+        return None
+    return ("lora", lora_key, "salt", salt)
+
+
+def _request_mm(request: "Request") -> list[tuple[int, int, str]]:
+    out = []
+    for f in getattr(request, "mm_features", None) or []:
+        pos = f.mm_position
+        out.append((int(pos.offset), int(pos.offset + pos.length), str(f.identifier)))
+    return out
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        # a miss or a failed load is recomputed, never an error for the request
+        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            try:
+                ktc.kv_load_failure_policy = "recompute"
+            except Exception:  # pragma: no cover
+                log.warning("kvstore: could not set kv_load_failure_policy=recompute")
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self.config = load_config(overrides=extra)
+        codec = self.config.tiers.nvme.codec
+        self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec)
+        self.block_size = self.fingerprint.block_size
+        engine = str(ktc.engine_id)
+        self.planner: Planner | None = None
+        self.mover: Mover | None = None
+        self.shared = None
+        self.server: StoreServer | None = None
+        self.client = None
+        if role == KVConnectorRole.WORKER:
+            # the worker owns the store (bytes and index) and serves the scheduler's lookups
+            name = f"{engine}/tp{self.fingerprint.tp_rank}"
+            self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size)
+            self.mover = Mover(self.shared)
+            self.server = StoreServer(self.shared, name)
+        else:
+            # the scheduler asks rank 0's store: in this process if it is here, else over a socket
+            name = f"{engine}/tp0"
+            local = find(name)
+            self.client = LocalClient(local) if local is not None else RemoteClient(name)
+            self.planner = Planner(self.client, self.fingerprint, self.block_size,
+                                   prefetch=self.config.tiers.nvme.enabled)
+        self._closed = False
+        log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s", role.name,
+                 self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,
+                 self.config.tiers.nvme.path or "temp folder",
+                 "" if role == KVConnectorRole.WORKER else f", store {type(self.client).__name__}")
+
+    @property
+    def requires_kv_delivery(self) -> bool:  # a best-effort cache: a dropped save is a later miss
+        return False
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.mover is not None
+        tensors = [kv_caches[n] for n in self.layer_names if n in kv_caches]
+        if len(tensors) != len(self.layer_names):
+            tensors = list(kv_caches.values())
+        layout = kvcopy.KVLayout.from_tensor("vllm", tensors)
+        self.mover.register(tensors, layout)
+        log.info("kvstore: KV layout %s", layout.describe())
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.mover is not None and isinstance(meta, KVStoreMetadata):
+            self.mover.load(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv, before any layer runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # all layers are gathered at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self.mover is not None and isinstance(meta, KVStoreMetadata):
+            self.mover.save(meta.plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.mover.take_load_errors() if self.mover is not None else set()
+
+    # --------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.planner is not None
+        tokens = request.all_token_ids if request.prompt_token_ids is not None else None
+        if getattr(request, "prompt_embeds", None) is not None:
+            tokens = None  # embeddings, not token ids: nothing to key on
+        st = self.planner.track(request.request_id, tokens, request.num_prompt_tokens, _request_extra(request),
+                                _request_mm(request))
+        return self.planner.lookup(st, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.planner is not None
+        st = self.planner.reqs.get(request.request_id)
+        if st is None:
+            return
+        self.planner.allocated(st, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.planner is not None
+        new = [(r.req_id, list(r.block_ids[0]) if r.block_ids else [], r.num_computed_tokens)
+               for r in scheduler_output.scheduled_new_reqs]
+        c = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(c, "resumed_req_ids", ()) or ())
+        cached = []
+        for i, rid in enumerate(c.req_ids):
+            nb = c.new_block_ids[i]
+            cached.append((rid, list(nb[0]) if nb else None, c.num_computed_tokens[i], rid in resumed))
+        plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens))
+        return KVStoreMetadata(plan)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.planner is not None:
+            self.planner.finished(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return None  # kvstore keeps its tiers across engine prefix-cache resets
+
+    # ---------------------------------------------------------------------- shared
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.client is not None:
+            self.client.close()
+        if self.shared is not None:
+            log.info("kvstore connector summary: %s", self.shared.metrics.summary())
+            log.info("kvstore tiers: %s", self.shared.store.stats()["tiers"])
+            if self.server is not None:
+                self.server.close()
+            release_shared(self.shared)

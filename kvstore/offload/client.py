@@ -1,0 +1,91 @@
+"""What the scheduler side may ask of the store, whether it is in this process or not.
+
+The worker side owns the store (the bytes and the index). The scheduler side needs lookups,
+prefetches, pins for planned loads, and to report what it decided. ``LocalClient`` calls the
+store directly (vLLM in-process mode); :class:`kvstore.offload.rpc.RemoteClient` sends the
+same calls to the worker's process (vLLM's multiprocess executor).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Protocol, Sequence
+
+from kvstore.offload.shared import SharedStore
+from kvstore.store import PrefixMatch
+
+
+class StoreClient(Protocol):
+    def contains_prefix(self, keys: Sequence[bytes], record: bool = False, num_tokens: int | None = None) -> PrefixMatch: ...
+
+    def prefetch(self, keys: Sequence[bytes]) -> int: ...
+
+    def prefetch_done(self, token: int) -> bool: ...
+
+    def begin_load(self, keys: Sequence[bytes], session: str | None = None) -> tuple[int, int, tuple[str, ...]]: ...
+
+    def end_load(self, handle_id: int) -> None: ...
+
+    def record_lookup(self, prompt_tokens: int, local_tokens: int) -> None: ...
+
+    def record_alloc(self, req_id: str, prompt_tokens: int, local: int, promised: int, got: int,
+                     tiers: Sequence[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalClient:
+    """Direct calls into a store of this process."""
+
+    def __init__(self, shared: SharedStore):
+        self.shared = shared
+        self.store = shared.store
+        self._prefetches: dict[int, Future] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def contains_prefix(self, keys, record=False, num_tokens=None) -> PrefixMatch:
+        return self.store.contains_prefix(keys, record=record, num_tokens=num_tokens)
+
+    def prefetch(self, keys) -> int:
+        f = self.store.prefetch(keys)
+        with self._lock:
+            self._next += 1
+            self._prefetches[self._next] = f
+            return self._next
+
+    def prefetch_done(self, token: int) -> bool:
+        with self._lock:
+            f = self._prefetches.get(token)
+            if f is None or f.done():
+                self._prefetches.pop(token, None)
+                return True
+            return False
+
+    def begin_load(self, keys, session=None) -> tuple[int, int, tuple[str, ...]]:
+        h = self.store.begin_load(keys, session=session)
+        return self.shared.put_handle(h), h.num_blocks, tuple(h.tier_of)
+
+    def end_load(self, handle_id: int) -> None:
+        h = self.shared.take_handle(handle_id)
+        if h is not None:
+            self.store.end_load(h)
+
+    def record_lookup(self, prompt_tokens: int, local_tokens: int) -> None:
+        m = self.shared.metrics
+        m.requests.inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.engine_cached_tokens.inc(local_tokens)
+
+    def record_alloc(self, req_id, prompt_tokens, local, promised, got, tiers) -> None:
+        m = self.shared.metrics
+        for t in tiers:
+            m.loaded_tokens.labels(t).inc(self.store.block_tokens)
+        if got < promised:
+            m.failed_tokens.inc(promised - got)
+        m.recomputed_tokens.inc(max(0, prompt_tokens - local - got))
+        self.shared.request_log.append((req_id, prompt_tokens, local, got, tuple(tiers)))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,198 @@
+"""Scheduler side: what to load and what to store, per request and step. No tensors, no I/O.
+
+For each request the planner keeps the chain keys of its full blocks (computed incrementally
+from the live token list, with the request's extra keys), its block table, how many blocks
+were handed to the store, and a pinned load if one is planned.
+
+* ``lookup``: the longest stored prefix of the prompt (never the whole prompt: the engine
+  must compute at least one token). If part of it is on NVMe, a prefetch to DRAM starts and
+  ``None`` ("ask again") is returned until it is done, so the scheduler never stalls on disk.
+* ``allocated``: the engine gave blocks for the matched tokens; the blocks are pinned in the
+  store (two-phase: they cannot be evicted before the worker copied them).
+* ``build_step``: load plans for newly scheduled hits, store plans for every block that
+  becomes full in this step (prompt blocks *and* blocks completed during decode).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvstore.keys import ModelFingerprint, chain_keys
+from kvstore.offload.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadPlan:
+    req_id: str
+    block_ids: list[int]  # engine blocks to fill, in prefix order
+    handle_id: int  # the pinned LoadHandle in the shared store
+    num_tokens: int
+
+
+@dataclass
+class StorePlan:
+    req_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+
+
+@dataclass
+class StepPlan:
+    loads: list[LoadPlan] = field(default_factory=list)
+    stores: list[StorePlan] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    tokens: Sequence[int]  # live: grows as the engine appends output tokens
+    num_prompt_tokens: int
+    extra: object = None  # LoRA name, cache salt ... (applies to every block)
+    mm: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, identifier) spans
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0
+    prefetch: int | None = None  # token of a running prefetch (client.prefetch_done)
+    load: tuple[int, int, int] | None = None  # (handle_id, first block, n blocks), until planned
+    looked_up: bool = False
+    num_local: int = 0  # tokens the engine had in its own prefix cache at the lookup
+    origin: tuple[str, ...] = ()  # tier of each matched block before any prefetch
+    cacheable: bool = True
+
+
+class Planner:
+    def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True):
+        self.client = client
+        self.fp = fingerprint
+        self.root = fingerprint.digest()
+        self.bs = block_size
+        self.prefetch_enabled = prefetch
+        self.reqs: dict[str, RequestState] = {}
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _mm_extra(self, st: RequestState, start: int, n: int) -> list | None:
+        if not st.mm:
+            return None
+        out = []
+        for b in range(start, start + n):
+            lo, hi = b * self.bs, (b + 1) * self.bs
+            out.append(tuple(ident for s, e, ident in st.mm if s < hi and e > lo))
+        return out
+
+    def keys_upto(self, st: RequestState, n_blocks: int) -> list[bytes]:
+        """Keys of the first ``n_blocks`` full blocks (as far as tokens are known)."""
+        n_blocks = min(n_blocks, len(st.tokens) // self.bs)
+        have = len(st.keys)
+        if n_blocks > have:
+            toks = list(st.tokens[have * self.bs:n_blocks * self.bs])
+            st.keys.extend(chain_keys(self.root, toks, self.bs, extra=st.extra,
+                                      extra_per_block=self._mm_extra(st, have, n_blocks - have),
+                                      parent=st.keys[-1] if have else None))
+        return st.keys[:n_blocks]
+
+    # -- scheduler hooks -----------------------------------------------------------------------
+    def track(self, req_id: str, tokens: Sequence[int] | None, num_prompt_tokens: int, extra=None,
+              mm: list[tuple[int, int, str]] | None = None) -> RequestState:
+        st = self.reqs.get(req_id)
+        if st is None:
+            st = RequestState(req_id, tokens if tokens is not None else (), num_prompt_tokens, extra, list(mm or []))
+            st.cacheable = tokens is not None
+            self.reqs[req_id] = st
+        return st
+
+    def lookup(self, st: RequestState, num_computed: int) -> int | None:
+        """Tokens beyond ``num_computed`` the store can supply, or None to be asked again."""
+        st.num_local = num_computed
+        if not st.cacheable:
+            return 0
+        max_blocks = max(0, (st.num_prompt_tokens - 1) // self.bs)
+        keys = self.keys_upto(st, max_blocks)
+        if st.prefetch is not None and st.prefetch >= 0:
+            if not self.client.prefetch_done(st.prefetch):
+                return None
+            st.prefetch = -1  # done; never prefetch this request again
+        m = self.client.contains_prefix(keys, record=False)
+        if st.prefetch is None:
+            st.origin = m.tiers
+        if self.prefetch_enabled and st.prefetch is None and "nvme" in m.tiers:
+            st.prefetch = self.client.prefetch(keys[: m.num_blocks])
+            return None
+        if not st.looked_up:  # count each request once, at its decision
+            st.looked_up = True
+            self.client.contains_prefix(keys, record=True, num_tokens=st.num_prompt_tokens)
+            self.client.record_lookup(st.num_prompt_tokens, num_computed)
+        hit = m.num_blocks * self.bs
+        return max(0, hit - num_computed)
+
+    def allocated(self, st: RequestState, num_external: int) -> None:
+        """Blocks were allocated for ``num_external`` tokens after the engine's own hit: pin them."""
+        num_computed = st.num_local
+        self._drop_load(st)
+        if num_external <= 0:
+            self.client.record_alloc(st.req_id, st.num_prompt_tokens, num_computed, 0, 0, ())
+            return
+        first = num_computed // self.bs
+        n = num_external // self.bs
+        keys = self.keys_upto(st, first + n)[first:first + n]
+        hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id)
+        # attribute each block to the tier it was found in (a prefetch may have moved it)
+        tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
+        self.client.record_alloc(st.req_id, st.num_prompt_tokens, num_computed, num_external,
+                                 got_blocks * self.bs, tiers)
+        st.load = (hid, first, n)
+
+    def _drop_load(self, st: RequestState) -> None:
+        if st.load is not None:
+            self.client.end_load(st.load[0])
+            st.load = None
+
+    def build_step(self, new: Sequence[tuple[str, list[int], int]],
+                   cached: Sequence[tuple[str, list[int] | None, int, bool]],
+                   num_scheduled: dict[str, int]) -> StepPlan:
+        """``new``: (req_id, block_ids, num_computed); ``cached``: (req_id, new_block_ids or None,
+        num_computed, resumed). Returns this step's loads and stores."""
+        plan = StepPlan()
+        for rid, block_ids, computed in new:
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            st.block_ids = list(block_ids)
+            self._plan_req(plan, st, computed, num_scheduled.get(rid, 0))
+        for rid, new_ids, computed, resumed in cached:
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            if resumed:
+                st.block_ids = list(new_ids or [])
+            elif new_ids:
+                st.block_ids.extend(new_ids)
+            self._plan_req(plan, st, computed, num_scheduled.get(rid, 0))
+        return plan
+
+    def _plan_req(self, plan: StepPlan, st: RequestState, computed: int, scheduled: int) -> None:
+        if st.load is not None:
+            hid, first, n = st.load
+            st.load = None
+            ids = st.block_ids[first:first + n]
+            if len(ids) < n:  # should not happen; never load into blocks we do not know
+                log.warning("kvstore: request %s has %d blocks, expected %d", st.req_id, len(ids), first + n)
+                self.client.end_load(hid)
+            else:
+                plan.loads.append(LoadPlan(st.req_id, ids, hid, n * self.bs))
+        if not st.cacheable:
+            return
+        full = min((computed + scheduled) // self.bs, len(st.tokens) // self.bs, len(st.block_ids))
+        if full > st.saved_blocks:
+            keys = self.keys_upto(st, full)
+            start = st.saved_blocks
+            plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full]))
+            st.saved_blocks = full
+
+    def finished(self, req_id: str) -> None:
+        st = self.reqs.pop(req_id, None)
+        if st is not None:
+            self._drop_load(st)

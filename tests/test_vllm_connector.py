@@ -1,0 +1,287 @@
+"""KVStoreConnector inside a real vLLM engine (vllm-cpu), on a tiny random Llama built offline.
+
+Greedy outputs must be identical whether the prefix is recomputed or served by kvstore (from
+DRAM, from NVMe in a new engine, from a folder written by another process), and the tests can
+see bad KV: wrong bytes under the right keys change the output.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+vllm = pytest.importorskip("vllm")
+
+from kvstore.keys import chain_keys  # noqa: E402
+from kvstore.offload import shared as shared_mod  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_b(tmp_path_factory):
+    """Same shapes, other weights: a different model fingerprint (other name)."""
+    from bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-b")), hidden=256, layers=4, seed=1)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(4, 500, size=n)]
+
+
+class Engine:
+    """One vLLM engine in this process, with or without KVStoreConnector."""
+
+    def __init__(self, model: str, store: str | None, *, block_size: int = 32, dram_gb: float = 0.05,
+                 nvme_gb: float = 1.0, connector: bool = True, **llm_kw):
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kw = dict(enforce_eager=True, block_size=block_size, max_model_len=4096, dtype="float32", seed=0)
+        kw.update(llm_kw)
+        if connector:
+            extra = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
+                               "nvme": {"path": store, "capacity_gb": nvme_gb, "ttl_s": None}}}
+            kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                                                        kv_connector_extra_config=extra)
+        else:
+            kw["enable_prefix_caching"] = False
+        self.llm = LLM(model, **kw)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, reset: bool = True):
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+        if reset:  # forget vLLM's own prefix cache: later hits can only come from kvstore
+            assert self.llm.reset_prefix_cache()
+        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+    @property
+    def shared(self):
+        live = shared_mod.live()
+        assert len(live) == 1, live
+        return live[0]
+
+    def close(self) -> None:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        assert shared_mod.live() == [], "the connector did not release its store"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def loaded(shared, tier: str) -> float:
+    return shared.metrics.registry.get_sample_value("kvstore_engine_loaded_tokens_total", {"tier": tier}) or 0.0
+
+
+def reference(model: str, prompts, max_tokens: int = 16, **kw):
+    with Engine(model, None, connector=False, **kw) as e:
+        return e.generate(prompts, max_tokens, reset=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_identical_outputs_cold_dram_nvme_and_other_process(tiny_model, tmp_path):
+    store = str(tmp_path / "store")
+    prompts = [prompt(300, 1), prompt(650, 2)]
+    ref = reference(tiny_model, prompts)
+    with Engine(tiny_model, store) as e:
+        cold, cached = e.generate(prompts)
+        assert cold == ref and cached == [0, 0]
+        warm, cached = e.generate(prompts)  # vLLM's cache was reset: served from kvstore DRAM
+        assert warm == ref
+        assert cached == [288, 640]  # full blocks, never the whole prompt
+        assert loaded(e.shared, "dram") == 288 + 640 and loaded(e.shared, "nvme") == 0
+    with Engine(tiny_model, store) as e:  # new engine, empty DRAM: served from NVMe
+        out, cached = e.generate(prompts)
+        assert out == ref and cached == [288, 640]
+        assert loaded(e.shared, "nvme") == 288 + 640
+    # a folder written by this process, read by another one (and vice versa for its output)
+    job = {"model": tiny_model, "store": store, "prompts": prompts, "rounds": 1}
+    r = _drive(job)
+    assert r["rounds"][0]["tokens"] == ref
+    assert r["rounds"][0]["cached"] == [288, 640]
+
+
+def _drive(job: dict, env: dict | None = None) -> dict:
+    e = dict(os.environ)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, os.path.join(HERE, "vllm_driver.py"), json.dumps(job)], capture_output=True,
+                       text=True, timeout=600, env=e, cwd=ROOT)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_multiprocess_engine_mode(tiny_model, tmp_path):
+    """vLLM's default mode: the engine core runs in its own process."""
+    prompts = [prompt(200, 3)]
+    r = _drive({"model": tiny_model, "store": str(tmp_path / "s"), "prompts": prompts, "rounds": 2,
+                "module_path": True}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert r["rounds"][0]["tokens"] == r["rounds"][1]["tokens"] == reference(tiny_model, prompts)
+    assert r["rounds"][0]["cached"] == [0] and r["rounds"][1]["cached"] == [192]
+
+
+def test_multi_turn_agent_sessions(tiny_model, tmp_path):
+    """Two sessions share a long system prompt; each turn = previous prompt + output + new text."""
+    system = prompt(400, 10)
+    sessions = {s: system + prompt(40, 20 + s) for s in (0, 1)}
+    with Engine(tiny_model, str(tmp_path / "s")) as e:
+        prev_loaded = {0: -1, 1: -1}
+        for turn in range(5):
+            for s in (0, 1):
+                p = sessions[s]
+                toks, cached = e.generate([p], max_tokens=24)
+                rec = e.shared.request_log[-1]
+                _, prompt_tokens, local, got, tiers = rec
+                assert prompt_tokens == len(p)
+                assert local == 0  # vLLM's own cache was reset after every request
+                assert cached[0] == got, (turn, s, cached, rec)  # vLLM and the connector agree
+                if turn == 0 and s == 0:
+                    assert got == 0
+                elif turn == 0:
+                    assert got == (len(system) // 32) * 32  # the shared system prompt
+                else:
+                    # everything up to the last full block of the previous turn's prompt + output
+                    assert got > prev_loaded[s]
+                    assert got >= ((len(p) - 8 - 24) // 32) * 32
+                prev_loaded[s] = got
+                sessions[s] = p + toks[0] + prompt(8, 100 * turn + s)
+        m = e.shared.metrics.summary()
+        assert m["loaded_tokens"]["dram"] == sum(r[3] for r in e.shared.request_log)
+
+
+def test_decode_blocks_are_stored(tiny_model, tmp_path):
+    """Blocks completed during decode are saved: the next turn reuses the model's own output."""
+    p = prompt(100, 5)
+    with Engine(tiny_model, str(tmp_path / "s")) as e:
+        toks, _ = e.generate([p], max_tokens=60)
+        nxt = p + toks[0]
+        _, cached = e.generate([nxt + [7]])
+        # prompt 100 + 59 decoded tokens with KV -> 159 tokens -> 4 full blocks
+        assert cached == [128]
+
+
+def test_corrupt_files_are_misses_and_recomputed(tiny_model, tmp_path):
+    store = tmp_path / "s"
+    prompts = [prompt(300, 7)]
+    ref = reference(tiny_model, prompts)
+    with Engine(tiny_model, str(store)) as e:
+        assert e.generate(prompts)[0] == ref
+    files = sorted(store.rglob("*.kvb"))
+    assert len(files) == 9
+    for f in files:  # flip one payload byte in every block file
+        with open(f, "r+b") as fh:
+            fh.seek(5000)
+            b = fh.read(1)
+            fh.seek(5000)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    with Engine(tiny_model, str(store)) as e:
+        out, cached = e.generate(prompts)
+        assert out == ref
+        assert cached == [0]  # the first block is bad: nothing is served
+        reg = e.shared.store.metrics
+        assert sum(v for k, v in reg.snapshot().items() if k.startswith("kvstore_corrupt_files_total")) >= 1
+
+
+def test_wrong_bytes_under_right_keys_change_the_output(tiny_model, tmp_path):
+    """Negative control: the suite can see bad KV (so the identity tests mean something)."""
+    prompts = [prompt(300, 8)]
+    ref = reference(tiny_model, prompts)
+    with Engine(tiny_model, str(tmp_path / "s")) as e:
+        assert e.generate(prompts)[0] == ref
+        store = e.shared.store
+        keys = chain_keys(store.root, prompts[0], 32)
+        h = store.begin_load(keys[:9])
+        assert h.num_blocks == 9
+        rng = np.random.default_rng(0)
+        for v in h.views:  # overwrite the stored KV in place (the slots are writable)
+            v[:] = rng.integers(0, 256, size=v.shape, dtype=np.uint8)
+        store.end_load(h)
+        out, cached = e.generate(prompts)
+        assert cached == [288]
+        assert out != ref
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_block_sizes(tiny_model, tmp_path, block_size):
+    prompts = [prompt(700, 11)]
+    ref = reference(tiny_model, prompts, block_size=block_size)
+    with Engine(tiny_model, str(tmp_path / "s"), block_size=block_size) as e:
+        assert e.generate(prompts)[0] == ref
+        out, cached = e.generate(prompts)
+        assert out == ref and cached == [(699 // block_size) * block_size]
+
+
+def test_chunked_prefill_and_concurrent_requests(tiny_model, tmp_path):
+    base = prompt(500, 12)
+    prompts = [base + prompt(70, 30 + i) for i in range(4)] + [prompt(20, 40)]  # the last: < 1 block
+    ref = reference(tiny_model, prompts, max_num_batched_tokens=128)
+    with Engine(tiny_model, str(tmp_path / "s"), max_num_batched_tokens=128) as e:
+        first, cached = e.generate(prompts)
+        assert first == ref
+        out, cached = e.generate(prompts)
+        assert out == ref
+        assert cached[:4] == [544] * 4 and cached[4] == 0
+        snap = e.shared.store.metrics.snapshot()
+        assert snap.get("kvstore_miss_tokens_total{reason=below_min}", 0) > 0
+
+
+def test_preemption_under_a_tiny_kv_space(tiny_model, tmp_path):
+    prompts = [prompt(300, 50 + i) for i in range(6)]
+    ref = reference(tiny_model, prompts, max_tokens=40)
+    # 40 blocks of 32 tokens for 6 requests needing ~11 blocks each: the scheduler must preempt
+    with Engine(tiny_model, str(tmp_path / "s"), num_gpu_blocks_override=40, max_num_seqs=6,
+                max_model_len=1024) as e:
+        out, _ = e.generate(prompts, max_tokens=40)
+        assert out == ref
+        out, cached = e.generate(prompts, max_tokens=40)
+        assert out == ref
+        assert all(c > 0 for c in cached)
+
+
+def test_two_models_never_share_blocks(tiny_model, tiny_model_b, tmp_path):
+    store = str(tmp_path / "s")
+    prompts = [prompt(300, 60)]
+    ref_b = reference(tiny_model_b, prompts)
+    with Engine(tiny_model, store) as e:
+        a = e.generate(prompts)[0]
+    with Engine(tiny_model_b, store) as e:
+        b, cached = e.generate(prompts)
+        assert cached == [0]  # same tokens, same shapes, other model: no hit
+        assert b == ref_b
+    assert a != b
+    assert len([d for d in os.listdir(store) if d.startswith("kvstore-")]) == 2
