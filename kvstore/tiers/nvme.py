@@ -28,7 +28,6 @@ from itertools import count
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from kvstore import fileformat as ff
 from kvstore.index import Entry
