@@ -34,6 +34,7 @@ CODECS = ("none", "int8", "fp8", "zstd", "int8+zstd", "fp8+zstd")
 O_DIRECT_CHOICES = ("auto", True, False)
 WRITE_MODES = ("write_back", "write_through")
 PIN_CHOICES = ("auto", True, False)
+HEADER_CHOICES = ("auto", "xattr", "inline")
 
 
 class ConfigError(ValueError):
@@ -114,6 +115,7 @@ class NvmeConfig:
     o_direct: Any = "auto"
     write_mode: str = "write_back"
     io_threads: int = 4
+    header: str = "auto"  # auto | xattr | inline: where a block file keeps its header
 
     @property
     def capacity_bytes(self) -> int:
@@ -190,6 +192,7 @@ def _nvme(d: Mapping) -> NvmeConfig:
         o_direct=_choice(f"{p}.o_direct", d.get("o_direct", base.o_direct), O_DIRECT_CHOICES),
         write_mode=_choice(f"{p}.write_mode", d.get("write_mode", base.write_mode), WRITE_MODES),
         io_threads=_int(f"{p}.io_threads", d.get("io_threads", base.io_threads), minimum=1, maximum=64),
+        header=_choice(f"{p}.header", d.get("header", base.header), HEADER_CHOICES),
     )
 
 

@@ -14,6 +14,11 @@ Header (little endian)::
     64  16s  key              the block key (also the file name)
     80  Q    header checksum  xxh3-64 of bytes [0, 80)
 
+Two layouts, never mixed in one folder: "inline" files carry the header in their first 4 KiB;
+"xattr" files are exactly the padded payload and keep the header's first HEADER_CORE bytes in
+the extended attribute ``user.kvstore.hdr`` (a file whose size is a multiple of 2 MiB reads
+twice as fast as one 4 KiB longer on the disks measured here).
+
 Nothing in a file is ever unpickled; a file that fails any check is not served.
 """
 
@@ -69,6 +74,17 @@ def pack_header(h: Header, buf) -> None:
     mv[: len(body)] = body
     mv[len(body): len(body) + 8] = _HCHK.pack(xxhash.xxh3_64_intdigest(body))
     mv[len(body) + 8: HEADER_BYTES] = bytes(HEADER_BYTES - len(body) - 8)
+
+
+HEADER_CORE = _FMT.size + _HCHK.size  # the bytes that matter (the rest of the 4 KiB is zeros)
+XATTR = "user.kvstore.hdr"  # where the header lives in "xattr" files
+
+
+def header_bytes(h: Header) -> bytes:
+    """The HEADER_CORE bytes of a header (what an "xattr" file keeps in its extended attribute)."""
+    buf = bytearray(HEADER_BYTES)
+    pack_header(h, buf)
+    return bytes(buf[:HEADER_CORE])
 
 
 def unpack_header(buf) -> Header:

@@ -145,7 +145,8 @@ class KVStore:
                     path = self._tmpdir = tempfile.mkdtemp(prefix="kvstore-")
                 self.nvme = NvmeTier(path=path, namespace=self.namespace, capacity_bytes=ncfg.capacity_bytes,
                                      ttl_s=ncfg.ttl_s, policy=ncfg.policy, block_bytes=self.block_bytes,
-                                     codec_id=CODEC_IDS[ncfg.codec], o_direct=ncfg.o_direct, clock=clock)
+                                     codec_id=CODEC_IDS[ncfg.codec], o_direct=ncfg.o_direct, header=ncfg.header,
+                                     clock=clock)
             except BaseException:
                 if self.dram is not None:
                     self.dram.close()

@@ -161,7 +161,7 @@ def _flip(p: Path, off: int) -> None:
 
 def _foreign_copy(tmp_path, key: bytes, dst: Path) -> None:
     """A valid block file for the same key name, written by another namespace."""
-    other = NvmeTier(path=tmp_path / "foreign", namespace=b"F" * 16, capacity_bytes=1 << 20, ttl_s=None,
+    other = NvmeTier(path=tmp_path / "foreign", namespace=b"F" * 16, capacity_bytes=1 << 20, ttl_s=None, header="inline",
                      policy="lru", block_bytes=BLOCK)
     other.put([key], [block_for(key)])
     shutil.copyfile(other.path_of(key), dst)

@@ -12,12 +12,12 @@ from kvstore import fileformat as ff
 from kvstore.memory import alloc_aligned
 from kvstore.policy import POLICIES
 from kvstore.tiers import DramTier, NvmeTier
-from kvstore.tiers.nvme import probe_o_direct
+from kvstore.tiers.nvme import probe_o_direct, probe_xattr
 
 from conftest import BLOCK, ODD_BLOCK, block_for, check_tier, nvme_files, one_key
 
 NS = bytes(range(16))
-KINDS = ["dram", "nvme", "nvme_direct"]
+KINDS = ["dram", "nvme", "nvme_direct", "nvme_xattr"]
 
 
 def _direct_supported(tmp_path_factory) -> bool:
@@ -28,10 +28,15 @@ def build(kind: str, policy: str, clock, folder, cap: int = 4, ttl=None, block_b
     if kind == "dram":
         return DramTier(capacity_bytes=cap * ff.round_up(block_bytes), ttl_s=ttl, policy=policy,
                         block_bytes=block_bytes, clock=clock, pin=False)
-    t = NvmeTier(path=folder, namespace=NS, capacity_bytes=cap * ff.file_bytes(block_bytes), ttl_s=ttl,
-                 policy=policy, block_bytes=block_bytes, o_direct=(kind == "nvme_direct"), clock=clock)
+    xattr = kind == "nvme_xattr"
+    per_block = ff.round_up(block_bytes) if xattr else ff.file_bytes(block_bytes)
+    t = NvmeTier(path=folder, namespace=NS, capacity_bytes=cap * per_block, ttl_s=ttl, policy=policy,
+                 block_bytes=block_bytes, o_direct=True if xattr else (kind == "nvme_direct"),
+                 header="xattr" if xattr else "inline", clock=clock)
     if kind == "nvme_direct":
         assert t.o_direct
+    if xattr:
+        assert t.header == "xattr"
     return t
 
 
@@ -40,6 +45,8 @@ def make_tier(request, tmp_path, tmp_path_factory, clock):
     kind, policy = request.param
     if kind == "nvme_direct" and not _direct_supported(tmp_path_factory):
         pytest.skip("this file system does not take O_DIRECT")
+    if kind == "nvme_xattr" and not probe_xattr(tmp_path_factory.mktemp("xprobe")):
+        pytest.skip("this file system keeps no user xattrs")
     made = []
 
     def _make(cap=4, ttl=None, block_bytes=BLOCK, policy=policy):

@@ -75,6 +75,10 @@ def read_header(path: str | os.PathLike) -> ff.Header:
     """
     fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
     try:
+        try:
+            return ff.unpack_header(os.getxattr(fd, ff.XATTR))  # an "xattr" file
+        except OSError:
+            pass
         buf = bytearray(ff.HEADER_BYTES)
         n = os.preadv(fd, [buf], 0)
     finally:
@@ -82,6 +86,27 @@ def read_header(path: str | os.PathLike) -> ff.Header:
     if n != ff.HEADER_BYTES:
         raise ff.BadBlockFile("truncated", f"{n} header bytes")
     return ff.unpack_header(buf)
+
+
+def probe_xattr(folder: str | os.PathLike) -> bool:
+    """Does this folder's file system keep user extended attributes?"""
+    if not hasattr(os, "setxattr"):
+        return False
+    p = os.path.join(folder, f"{PROBE_PREFIX}x.{os.getpid()}.{threading.get_ident()}")
+    try:
+        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_NOFOLLOW, 0o600)
+        try:
+            os.setxattr(fd, ff.XATTR, b"\x01" * ff.HEADER_CORE)
+            return os.getxattr(fd, ff.XATTR) == b"\x01" * ff.HEADER_CORE
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -125,7 +150,7 @@ class NvmeTier(Tier):
 
     def __init__(self, *, path: str | os.PathLike, namespace: bytes, capacity_bytes: int, ttl_s: float | None,
                  policy: str, block_bytes: int, codec_id: int = 0, o_direct: bool | str = "auto",
-                 clock: Callable[[], float] = time.time, scan: bool = True):
+                 header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True):
         super().__init__(capacity_bytes=capacity_bytes, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes,
                          clock=clock, entry_bytes=ff.file_bytes(block_bytes))
         self.namespace = bytes(namespace)
@@ -133,7 +158,16 @@ class NvmeTier(Tier):
         self._root_fd = self._tmp_fd = -1
         base = Path(path)
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.root = base / f"kvstore-{self.namespace.hex()[:16]}"
+        if header not in ("auto", "xattr", "inline"):
+            raise ValueError(f"header must be auto, xattr or inline, got {header!r}")
+        self.header = "inline"
+        if header != "inline":
+            if probe_xattr(base):
+                self.header = "xattr"
+            elif header == "xattr":
+                log.warning("kvstore nvme: %s keeps no user xattrs; block headers go inline", base)
+        # one layout per folder: files of the other layout are never mixed in
+        self.root = base / (f"kvstore-{self.namespace.hex()[:16]}" + ("-x" if self.header == "xattr" else ""))
         _mkdir_private(self.root)
         self._root_fd = os.open(self.root, _DIR_FLAGS)
         os.chmod(self._root_fd, 0o700)
@@ -150,7 +184,8 @@ class NvmeTier(Tier):
         else:
             self.o_direct = False
         self.padded = ff.round_up(block_bytes)
-        self.file_bytes = ff.file_bytes(block_bytes)
+        self.file_bytes = self.padded if self.header == "xattr" else ff.file_bytes(block_bytes)
+        self.entry_bytes = self.file_bytes
         self._tls = threading.local()
         self._seq = count()
         self.stats.update({"scanned": 0, "dropped_at_scan": 0, "tmp_removed": 0, "missing": 0})
@@ -203,8 +238,10 @@ class NvmeTier(Tier):
             bounce[: self.block_bytes] = src[: self.block_bytes]
             bounce[self.block_bytes:] = 0  # never leak another block's bytes into the padding
             payload = bounce
-        ff.pack_header(ff.Header(self.codec_id, self.block_bytes, ff.checksum(payload[: self.block_bytes]),
-                                 time.time(), self.namespace, entry.key), hdr)
+        header = ff.Header(self.codec_id, self.block_bytes, ff.checksum(payload[: self.block_bytes]),
+                           time.time(), self.namespace, entry.key)
+        if self.header == "inline":
+            ff.pack_header(header, hdr)
         name = self._name(entry.key)
         tmp = f"{entry.key.hex()}.{os.getpid()}.{next(self._seq)}.tmp"
         leaf = -1
@@ -212,7 +249,11 @@ class NvmeTier(Tier):
             leaf = self._leaf_fd(entry.key, create=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600, dir_fd=self._tmp_fd)
             try:
-                _pwrite_all(fd, [hdr, payload], self.file_bytes)
+                if self.header == "xattr":
+                    _pwrite_all(fd, [payload], self.file_bytes)
+                    os.setxattr(fd, ff.XATTR, ff.header_bytes(header))
+                else:
+                    _pwrite_all(fd, [hdr, payload], self.file_bytes)
                 t = entry.last_access
                 os.utime(fd, (t, t))
             finally:
@@ -277,10 +318,12 @@ class NvmeTier(Tier):
                 if st.st_size != self.file_bytes:
                     raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size",
                                           f"{st.st_size} bytes")
-                n = _pread_all(fd, [hdr, dst], self.file_bytes)
+                h = self._header_of(fd)
+                n = _pread_all(fd, [dst] if self.header == "xattr" else [hdr, dst], self.file_bytes)
                 if n != self.file_bytes:
                     raise ff.BadBlockFile("truncated", f"read {n} bytes")
-                h = ff.unpack_header(hdr)
+                if self.header == "inline":
+                    h = ff.unpack_header(hdr)
                 self._check(h, entry.key)
                 if ff.checksum(dst[: self.block_bytes]) != h.checksum:
                     raise ff.BadBlockFile("bad_checksum")
@@ -302,6 +345,15 @@ class NvmeTier(Tier):
         if not direct:
             out[: self.block_bytes] = bounce[: self.block_bytes]
         return True
+
+    def _header_of(self, fd: int) -> ff.Header | None:
+        """An "xattr" file's header (None for inline files, read with the payload)."""
+        if self.header != "xattr":
+            return None
+        try:
+            return ff.unpack_header(os.getxattr(fd, ff.XATTR))
+        except OSError as e:
+            raise ff.BadBlockFile("bad_header", f"no header attribute ({e.strerror})") from None
 
     def _check(self, h: ff.Header, key: bytes) -> None:
         if h.fingerprint != self.namespace:
@@ -457,12 +509,15 @@ class NvmeTier(Tier):
                     raise ff.BadBlockFile("not_a_file")
                 if st.st_size != self.file_bytes:
                     raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size")
-                n = os.preadv(fd, [hbuf], 0)
+                if self.header == "xattr":
+                    h = self._header_of(fd)
+                else:
+                    if os.preadv(fd, [hbuf], 0) != ff.HEADER_BYTES:
+                        raise ff.BadBlockFile("truncated")
+                    h = ff.unpack_header(hbuf)
             finally:
                 os.close(fd)
-            if n != ff.HEADER_BYTES:
-                raise ff.BadBlockFile("truncated")
-            self._check(ff.unpack_header(hbuf), key)
+            self._check(h, key)
         except ff.BadBlockFile as e:
             self._bad(dir_fd, f.name, e.reason, str(e))
             return None
