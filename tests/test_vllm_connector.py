@@ -55,17 +55,18 @@ class Engine:
     """One vLLM engine in this process, with or without KVStoreConnector."""
 
     def __init__(self, model: str, store: str | None, *, block_size: int = 32, dram_gb: float = 0.05,
-                 nvme_gb: float = 1.0, connector: bool = True, **llm_kw):
+                 nvme_gb: float = 1.0, connector: bool = True, extra: dict | None = None, **llm_kw):
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
         kw = dict(enforce_eager=True, block_size=block_size, max_model_len=4096, dtype="float32", seed=0)
         kw.update(llm_kw)
         if connector:
-            extra = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
-                               "nvme": {"path": store, "capacity_gb": nvme_gb, "ttl_s": None}}}
+            cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
+                             "nvme": {"path": store, "capacity_gb": nvme_gb, "ttl_s": None}}}
+            cfg.update(extra or {})
             kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
-                                                        kv_connector_extra_config=extra)
+                                                        kv_connector_extra_config=cfg)
         else:
             kw["enable_prefix_caching"] = False
         self.llm = LLM(model, **kw)
@@ -285,3 +286,22 @@ def test_two_models_never_share_blocks(tiny_model, tiny_model_b, tmp_path):
         assert b == ref_b
     assert a != b
     assert len([d for d in os.listdir(store) if d.startswith("kvstore-")]) == 2
+
+
+def test_trace_is_recorded_with_hashes_only(tiny_model, tmp_path):
+    from kvstore.trace import read_trace
+
+    trace = tmp_path / "trace.jsonl"
+    prompts = [prompt(300, 70), prompt(300, 70) + prompt(40, 71)]
+    with Engine(tiny_model, str(tmp_path / "s"), extra={"trace_path": str(trace)}) as e:
+        for p in prompts:
+            e.generate([p], max_tokens=8)
+        keys = chain_keys(e.shared.store.root, prompts[1], 32)
+    recs = list(read_trace(trace))
+    assert [r.prompt_tokens for r in recs] == [300, 340]
+    assert [len(r.blocks) for r in recs] == [9, 10] and all(r.block_tokens == 32 for r in recs)
+    assert all(r.output_tokens == 8 for r in recs)
+    assert list(recs[1].blocks) == keys  # the store's own keys
+    assert recs[0].blocks == recs[1].blocks[:9]  # the shared prefix is visible, the tokens are not
+    assert recs[0].t <= recs[1].t
+    assert "w1" not in trace.read_text()

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore import kvcopy
 from kvstore.config import load_config
 from kvstore.keys import ModelFingerprint
+from kvstore.trace import TraceWriter
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, release_shared)
 
@@ -122,8 +123,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             name = f"{engine}/tp0"
             local = find(name)
             self.client = LocalClient(local) if local is not None else RemoteClient(name)
+            trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
             self.planner = Planner(self.client, self.fingerprint, self.block_size,
-                                   prefetch=self.config.tiers.nvme.enabled)
+                                   prefetch=self.config.tiers.nvme.enabled, trace=trace)
         self._closed = False
         log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s", role.name,
                  self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,
@@ -170,7 +172,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if getattr(request, "prompt_embeds", None) is not None:
             tokens = None  # embeddings, not token ids: nothing to key on
         st = self.planner.track(request.request_id, tokens, request.num_prompt_tokens, _request_extra(request),
-                                _request_mm(request))
+                                _request_mm(request), arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
+                                session=str(getattr(request, "cache_salt", None) or ""))
         return self.planner.lookup(st, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -206,6 +209,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._closed:
             return
         self._closed = True
+        if self.planner is not None:
+            self.planner.close()
         if self.client is not None:
             self.client.close()
         if self.shared is not None:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.client import StoreClient
+from kvstore.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,16 @@ class RequestState:
     looked_up: bool = False
     num_local: int = 0  # tokens the engine had in its own prefix cache at the lookup
     origin: tuple[str, ...] = ()  # tier of each matched block before any prefetch
+    arrival: float = 0.0  # wall-clock seconds (for the trace)
+    session: str = ""
     cacheable: bool = True
 
 
 class Planner:
-    def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True):
+    def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True,
+                 trace: TraceWriter | None = None):
         self.client = client
+        self.trace = trace
         self.fp = fingerprint
         self.root = fingerprint.digest()
         self.bs = block_size
@@ -96,11 +101,12 @@ class Planner:
 
     # -- scheduler hooks -----------------------------------------------------------------------
     def track(self, req_id: str, tokens: Sequence[int] | None, num_prompt_tokens: int, extra=None,
-              mm: list[tuple[int, int, str]] | None = None) -> RequestState:
+              mm: list[tuple[int, int, str]] | None = None, arrival: float = 0.0, session: str = "") -> RequestState:
         st = self.reqs.get(req_id)
         if st is None:
             st = RequestState(req_id, tokens if tokens is not None else (), num_prompt_tokens, extra, list(mm or []))
             st.cacheable = tokens is not None
+            st.arrival, st.session = arrival, session or req_id
             self.reqs[req_id] = st
         return st
 
@@ -194,5 +200,14 @@ class Planner:
 
     def finished(self, req_id: str) -> None:
         st = self.reqs.pop(req_id, None)
-        if st is not None:
-            self._drop_load(st)
+        if st is None:
+            return
+        self._drop_load(st)
+        if self.trace is not None and st.cacheable:
+            keys = self.keys_upto(st, st.num_prompt_tokens // self.bs)
+            self.trace.write(st.arrival, st.session, keys, self.bs, st.num_prompt_tokens,
+                             max(0, len(st.tokens) - st.num_prompt_tokens))
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
