@@ -9,7 +9,7 @@ import sys
 
 
 def _bench(argv: list[str]) -> int:
-    modes = {"tiers": "bench.tiers", "e2e": "bench.e2e"}
+    modes = {"tiers": "bench.tiers", "e2e": "bench.e2e", "agent": "bench.agent", "copy": "bench.copy_bench"}
     if not argv or argv[0] not in modes:
         print(f"usage: kvstore bench {{{','.join(modes)}}} [options]   (kvstore bench MODE --help)", file=sys.stderr)
         return 2
@@ -63,15 +63,25 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"bench": _bench, "inspect": _inspect, "stats": _stats, "config": _config}
+def _tune(argv: list[str]) -> int:
+    from kvstore.tune.cli import main as tune_main
+
+    return tune_main(argv)
+
+
+COMMANDS = {"bench": _bench, "inspect": _inspect, "stats": _stats, "config": _config, "tune": _tune}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: kvstore {bench,inspect,stats,config} ...\n\n"
+        print("usage: kvstore {bench,tune,inspect,stats,config} ...\n\n"
               "  bench tiers      store/load throughput per tier vs. memcpy and O_DIRECT limits\n"
+              "  bench agent      agent-workload replay through the store: hit rates, miss reasons\n"
+              "  bench e2e        TTFT through vLLM: recompute vs prefix hits\n"
+              "  bench copy       gather/scatter copy kernels vs memcpy (and PCIe on a GPU)\n"
+              "  tune --trace T   replay a trace over TTL/capacity settings, recommend a config\n"
               "  inspect DIR      what an NVMe tier folder holds (--json)\n"
               "  stats            hit rates and miss reasons of a running store (--url)\n"
               "  config [PATH]    validate a config file and print it resolved", file=sys.stderr)
