@@ -51,6 +51,27 @@ def _tp_rank(vllm_config: "VllmConfig") -> tuple[int, int]:
         return 0, size
 
 
+def block_packing(vllm_config: "VllmConfig", spec) -> str:
+    """How the engine packs a block's bytes (the store keeps pages byte for byte): vLLM's CPU
+    backend packs per ISA (K transposed etc.), every GPU backend uses the standard order."""
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+    except Exception:  # pragma: no cover
+        on_cpu = True
+    if not on_cpu:
+        return "std"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
+                            vllm_config.cache_config.cache_dtype)
+    except Exception:  # a vLLM without that helper: still never mix with GPU blocks
+        isa = "unknown"
+    return f"vllm_cpu-{isa}"
+
+
 def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", codec: str) -> tuple[ModelFingerprint, int, list[str]]:
     """(fingerprint, bytes per block across layers, layer names in order)."""
     groups = kv_cache_config.kv_cache_groups
@@ -63,7 +84,8 @@ def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     rank, size = _tp_rank(vllm_config)
     fp = ModelFingerprint(
         model=str(mc.model), revision=str(mc.revision or ""), dtype=str(spec.dtype),
-        layout=f"kvstore-block-v{kvcopy.STORE_FORMAT_VERSION}", block_size=int(spec.block_size),
+        layout=f"kvblock-v{kvcopy.STORE_FORMAT_VERSION}.{block_packing(vllm_config, spec)}",
+        block_size=int(spec.block_size),
         num_layers=len(layers), num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
         tp_rank=rank, tp_size=size, codec=codec,
         extra=(("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),
@@ -142,7 +164,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         tensors = [kv_caches[n] for n in self.layer_names if n in kv_caches]
         if len(tensors) != len(self.layer_names):
             tensors = list(kv_caches.values())
-        layout = kvcopy.KVLayout.from_tensor("vllm", tensors)
+        expected = self.fingerprint.layout.split(".", 1)[1].split("-")[0]
+        layout = kvcopy.KVLayout.from_tensor("vllm_cpu" if expected == "vllm_cpu" else "vllm", tensors)
+        if layout.packing != expected:
+            raise ValueError(f"kvstore: the engine's KV blocks are packed {layout.packing!r} but the keys were "
+                             f"made for {expected!r}; {layout.describe()}")
         self.mover.register(tensors, layout)
         log.info("kvstore: KV layout %s", layout.describe())
 
