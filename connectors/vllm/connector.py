@@ -165,7 +165,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if len(tensors) != len(self.layer_names):
             tensors = list(kv_caches.values())
         expected = self.fingerprint.layout.split(".", 1)[1].split("-")[0]
-        layout = kvcopy.KVLayout.from_tensor("vllm_cpu" if expected == "vllm_cpu" else "vllm", tensors)
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        layout = kvcopy.KVLayout.from_vllm(tensors, mla=type(spec).__name__.startswith("MLA"))
         if layout.packing != expected:
             raise ValueError(f"kvstore: the engine's KV blocks are packed {layout.packing!r} but the keys were "
                              f"made for {expected!r}; {layout.describe()}")

@@ -23,7 +23,7 @@ class Mover:
         self.shared = shared
         self.store = shared.store
         self.metrics = shared.metrics
-        self.kv_caches: Any = None
+        self.copier: kvcopy.KVCopier | None = None
         self.layout: kvcopy.KVLayout | None = None
         self.load_errors: set[int] = set()
 
@@ -31,13 +31,13 @@ class Mover:
         if layout.block_bytes != self.store.block_bytes:
             raise ValueError(f"kvstore: KV layout has {layout.block_bytes} bytes per block but the store was "
                              f"sized for {self.store.block_bytes}; {layout.describe()}")
-        self.kv_caches = kv_caches
+        self.copier = kvcopy.KVCopier(kv_caches, layout)  # validates the cache once
         self.layout = layout
 
     def load(self, plan: StepPlan) -> None:
         if not plan.loads:
             return
-        assert self.layout is not None, "register_kv_caches was not called"
+        assert self.copier is not None, "register_kv_caches was not called"
         t0 = time.perf_counter()
         srcs, dst_ids, handles = [], [], []
         for lp in plan.loads:
@@ -50,7 +50,7 @@ class Mover:
             self.load_errors.update(lp.block_ids[n:])
         try:
             if dst_ids:
-                kvcopy.scatter(srcs, self.layout, dst_ids, self.kv_caches)
+                self.copier.scatter(srcs, dst_ids)
         except Exception:
             log.exception("kvstore: scatter failed; %d blocks will be recomputed", len(dst_ids))
             self.load_errors.update(dst_ids)
@@ -62,7 +62,7 @@ class Mover:
     def save(self, plan: StepPlan) -> None:
         if not plan.stores:
             return
-        assert self.layout is not None, "register_kv_caches was not called"
+        assert self.copier is not None, "register_kv_caches was not called"
         t0 = time.perf_counter()
         keys = [k for sp in plan.stores for k in sp.keys]
         ids = [b for sp in plan.stores for b in sp.block_ids]
@@ -71,7 +71,7 @@ class Mover:
         ok = True
         try:
             if sel:
-                kvcopy.gather(self.kv_caches, self.layout, [ids[i] for i in sel], [h.views[i] for i in sel])
+                self.copier.gather([ids[i] for i in sel], [h.views[i] for i in sel])
         except Exception:
             log.exception("kvstore: gather failed; %d blocks not stored", len(sel))
             ok = False
