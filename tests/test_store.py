@@ -416,7 +416,7 @@ def test_miss_reason_mid_chain_tail_evicted_first(make_store, clock):
 # -- DoD: 2 GiB through a 256 MiB DRAM tier ------------------------------------------------------
 
 _DOD = r"""
-import os, resource, sys, time
+import os, re, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 from kvstore.config import from_dict
@@ -461,7 +461,8 @@ for i in range(0, N, batch):
 t_get = time.perf_counter() - t1
 assert "torch" not in sys.modules  # pin_memory: auto must not drag torch in
 s.close(persist=False)
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM is this process's own peak (ru_maxrss would carry the parent's peak across fork+exec)
+rss = int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 print(f"RESULT put_s={t_put:.2f} get_s={t_get:.2f} total_s={time.perf_counter() - t0:.2f} peak_rss_mib={rss / 2**20:.1f}")
 """
 
