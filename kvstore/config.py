@@ -3,13 +3,14 @@
 Schema (public; the tuner writes it, the connector reads it)::
 
     tiers:
-      dram: {capacity_gb, ttl_s, policy, codec, pin_memory}
-      nvme: {path, capacity_gb, ttl_s, policy, codec, o_direct, write_mode, io_threads}
+      dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory}
+      nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header}
     metrics: {port}
     trace_path: null
 
 Sizes are GiB (2**30 bytes). ``ttl_s`` is an idle time: an entry expires ``ttl_s`` seconds
-after it was last stored or hit (null = never). Unknown keys and bad values raise
+after it was last stored or hit (null = never). ``ttl_shared_s`` is the idle TTL of a block hit by
+two or more distinct sessions (a TTL class for system prompts, tool schemas; null = ``ttl_s``). Unknown keys and bad values raise
 :class:`ConfigError`, which names the key, the value and what is allowed.
 
 Precedence, lowest first: built-in defaults < YAML file < ``KVSTORE__A__B=value`` environment
@@ -92,6 +93,7 @@ def _choice(key: str, v: Any, choices: tuple) -> Any:
 class DramConfig:
     capacity_gb: float = 4.0
     ttl_s: float | None = 3600.0
+    ttl_shared_s: float | None = None  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
     policy: str = "lru"
     codec: str = "none"
     pin_memory: Any = "auto"  # auto: pin through torch when CUDA is available
@@ -110,8 +112,10 @@ class NvmeConfig:
     path: str | None = None  # null: a private temporary folder, removed at close
     capacity_gb: float = 100.0
     ttl_s: float | None = 86400.0
+    ttl_shared_s: float | None = None  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
     policy: str = "lru"
     codec: str = "none"
+    zstd_level: int = 3  # for the +zstd codecs (1 fast .. 19 small)
     o_direct: Any = "auto"
     write_mode: str = "write_back"
     io_threads: int = 4
@@ -170,6 +174,7 @@ def _dram(d: Mapping) -> DramConfig:
     return DramConfig(
         capacity_gb=_number(f"{p}.capacity_gb", d.get("capacity_gb", base.capacity_gb)),
         ttl_s=_number(f"{p}.ttl_s", d.get("ttl_s", base.ttl_s), allow_none=True),
+        ttl_shared_s=_number(f"{p}.ttl_shared_s", d.get("ttl_shared_s", base.ttl_shared_s), allow_none=True),
         policy=_choice(f"{p}.policy", d.get("policy", base.policy), _policy_names()),
         codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
         pin_memory=_choice(f"{p}.pin_memory", d.get("pin_memory", base.pin_memory), PIN_CHOICES),
@@ -187,8 +192,10 @@ def _nvme(d: Mapping) -> NvmeConfig:
         path=os.path.expanduser(path) if path else None,
         capacity_gb=_number(f"{p}.capacity_gb", d.get("capacity_gb", base.capacity_gb)),
         ttl_s=_number(f"{p}.ttl_s", d.get("ttl_s", base.ttl_s), allow_none=True),
+        ttl_shared_s=_number(f"{p}.ttl_shared_s", d.get("ttl_shared_s", base.ttl_shared_s), allow_none=True),
         policy=_choice(f"{p}.policy", d.get("policy", base.policy), _policy_names()),
         codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
+        zstd_level=_int(f"{p}.zstd_level", d.get("zstd_level", base.zstd_level), minimum=1, maximum=19),
         o_direct=_choice(f"{p}.o_direct", d.get("o_direct", base.o_direct), O_DIRECT_CHOICES),
         write_mode=_choice(f"{p}.write_mode", d.get("write_mode", base.write_mode), WRITE_MODES),
         io_threads=_int(f"{p}.io_threads", d.get("io_threads", base.io_threads), minimum=1, maximum=64),

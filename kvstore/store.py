@@ -18,6 +18,7 @@ an NVMe hit is promoted to DRAM. Expired entries go first, then the policy's vic
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import tempfile
 import threading
@@ -30,7 +31,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.config import StoreConfig
+from kvstore.codecs import DTYPES, Geometry, make_codec, normalize_dtype
+from kvstore.config import ConfigError, StoreConfig
 from kvstore.fileformat import CODEC_IDS
 from kvstore.index import Entry
 from kvstore.keys import ModelFingerprint, root_of
@@ -117,6 +119,8 @@ class KVStore:
         clock: Callable[[], float] = time.time,
         metrics: StoreMetrics | None = None,
         ghost_capacity: int = 1 << 17,
+        kv_dtype: str | None = None,
+        group_elems: int | None = None,
     ):
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -127,7 +131,14 @@ class KVStore:
         dcfg, ncfg = self.config.tiers.dram, self.config.tiers.nvme
         self.root = root_of(fingerprint)
         # the NVMe namespace: model fingerprint + the codec of that tier
-        self.namespace = xxhash.xxh3_128_digest(self.root + f"codec={ncfg.codec}".encode())
+        self.namespace = xxhash.xxh3_128_digest(self.root + f"codec={ncfg.codec}".encode()
+                                                + self._codec_geometry_tag(ncfg.codec, fingerprint, kv_dtype, group_elems))
+        self.nvme_codec = None
+        if dcfg.enabled and dcfg.codec != "none":
+            raise ConfigError("tiers.dram.codec", dcfg.codec,
+                              "none (DRAM codecs are not implemented yet; set int8/fp8/zstd on tiers.nvme.codec)")
+        if ncfg.enabled and ncfg.codec != "none":
+            self.nvme_codec = make_codec(ncfg.codec, self.geometry, ncfg.zstd_level)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
         self._tmpdir: str | None = None
         self.dram: DramTier | None = None
@@ -146,7 +157,7 @@ class KVStore:
                 self.nvme = NvmeTier(path=path, namespace=self.namespace, capacity_bytes=ncfg.capacity_bytes,
                                      ttl_s=ncfg.ttl_s, policy=ncfg.policy, block_bytes=self.block_bytes,
                                      codec_id=CODEC_IDS[ncfg.codec], o_direct=ncfg.o_direct, header=ncfg.header,
-                                     clock=clock)
+                                     clock=clock, codec=self.nvme_codec)
             except BaseException:
                 if self.dram is not None:
                     self.dram.close()
@@ -155,6 +166,9 @@ class KVStore:
                     shutil.rmtree(self._tmpdir, ignore_errors=True)
                 raise
         self.tiers: list[Tier] = [t for t in (self.dram, self.nvme) if t is not None]
+        for t, tcfg in ((self.dram, dcfg), (self.nvme, ncfg)):  # TTL class of blocks shared by sessions
+            if t is not None:
+                t.index.ttl_shared = tcfg.ttl_shared_s
         self.write_through = ncfg.write_mode == "write_through"
         self._io = ThreadPoolExecutor(max_workers=ncfg.io_threads, thread_name_prefix="kvstore-io")
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-prefetch")
@@ -171,6 +185,21 @@ class KVStore:
         for t in self.tiers:
             self.metrics.capacity.labels(t.name).set(t.capacity_bytes)
         self._update_gauges()
+
+    def _codec_geometry_tag(self, codec: str, fingerprint, kv_dtype: str | None, group_elems: int | None) -> bytes:
+        """Set ``self.geometry`` (what the codecs need: element dtype, scale group); the bytes that
+        join the NVMe namespace (empty for codec none, so its folders never change)."""
+        fp = fingerprint if isinstance(fingerprint, ModelFingerprint) else None
+        dtype = normalize_dtype(kv_dtype if kv_dtype is not None else (fp.dtype if fp is not None else None))
+        if group_elems is None:
+            group_elems = fp.head_size if fp is not None and fp.head_size >= 8 else 128
+            n = self.block_bytes // DTYPES.get(dtype, 1)
+            if n % group_elems:  # an automatic choice must divide the block
+                group_elems = math.gcd(n, group_elems) or 1
+        self.geometry = Geometry(self.block_bytes, dtype, int(group_elems))
+        if codec == "none":
+            return b""
+        return f",dtype={dtype},group={int(group_elems)}".encode()
 
     # -- lookups -------------------------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None) -> PrefixMatch:

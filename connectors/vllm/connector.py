@@ -125,7 +125,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.warning("kvstore: could not set kv_load_failure_policy=recompute")
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = load_config(overrides=extra)
-        codec = self.config.tiers.nvme.codec
+        codec = f"dram={self.config.tiers.dram.codec},nvme={self.config.tiers.nvme.codec}"  # lossy never serves lossless
         self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec)
         self.block_size = self.fingerprint.block_size
         engine = str(ktc.engine_id)

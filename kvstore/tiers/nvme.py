@@ -30,6 +30,7 @@ from typing import Callable
 
 
 from kvstore import fileformat as ff
+from kvstore.codecs import Codec, CodecError
 from kvstore.index import Entry
 from kvstore.memory import alloc_aligned, as_bytes as _as_bytes, is_aligned
 from kvstore.tiers.base import Tier
@@ -150,11 +151,17 @@ class NvmeTier(Tier):
 
     def __init__(self, *, path: str | os.PathLike, namespace: bytes, capacity_bytes: int, ttl_s: float | None,
                  policy: str, block_bytes: int, codec_id: int = 0, o_direct: bool | str = "auto",
-                 header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True):
+                 header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True,
+                 codec: Codec | None = None):
         super().__init__(capacity_bytes=capacity_bytes, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes,
                          clock=clock, entry_bytes=ff.file_bytes(block_bytes))
         self.namespace = bytes(namespace)
-        self.codec_id = codec_id
+        # codec: files hold encoded bytes (payload_len of them); None or "none" = the raw block
+        self.codec = codec if codec is not None and codec.name != "none" else None
+        self.codec_id = self.codec.id if self.codec is not None else codec_id
+        # the most payload bytes a file holds (exact unless the codec's size varies, e.g. zstd)
+        self.payload_max = self.codec.encoded_bytes if self.codec is not None else block_bytes
+        self.fixed_size = self.codec is None or self.codec.fixed_size
         self._root_fd = self._tmp_fd = -1
         base = Path(path)
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -183,15 +190,26 @@ class NvmeTier(Tier):
                             self.root)
         else:
             self.o_direct = False
-        self.padded = ff.round_up(block_bytes)
-        self.file_bytes = self.padded if self.header == "xattr" else ff.file_bytes(block_bytes)
-        self.entry_bytes = self.file_bytes
+        self.padded = ff.round_up(self.payload_max)
+        self.file_bytes = self.file_bytes_for(self.payload_max)  # the largest file (exact if fixed_size)
+        self.entry_bytes = self.file_bytes  # reserved per write; a smaller (zstd) file gives the rest back
         self._tls = threading.local()
         self._seq = count()
         self.stats.update({"scanned": 0, "dropped_at_scan": 0, "tmp_removed": 0, "missing": 0})
         self.corrupt_reasons: dict[str, int] = {}
         if scan:
             self.scan()
+
+    def file_bytes_for(self, payload_len: int) -> int:
+        """Size of a block file whose payload is ``payload_len`` bytes (this folder's layout)."""
+        return ff.round_up(payload_len) if self.header == "xattr" else ff.file_bytes(payload_len)
+
+    def _resize(self, entry: Entry, nbytes: int) -> None:
+        """Account an entry at its real file size (a variable-size codec wrote less than reserved)."""
+        with self.lock:
+            if self.index.entries.get(entry.key) is entry and entry.nbytes != nbytes:
+                self.index.used += nbytes - entry.nbytes
+                entry.nbytes = nbytes
 
     # -- paths ---------------------------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
@@ -232,13 +250,24 @@ class NvmeTier(Tier):
         src = _as_bytes(src)
         if src.nbytes < self.block_bytes:
             raise ValueError(f"block of {src.nbytes} bytes, need {self.block_bytes}")
-        if is_aligned(src) and src.nbytes >= self.padded:
+        plen, fbytes = self.block_bytes, self.file_bytes
+        if self.codec is not None:
+            try:
+                plen = self.codec.encode(src[: self.block_bytes], bounce)
+            except Exception as e:  # never an exception to the caller: the block is just not stored
+                self.count("write_failed")
+                log.warning("kvstore nvme: %s encode failed: %s", self.codec.name, e)
+                return False
+            fbytes = self.file_bytes_for(plen)
+            bounce[plen: ff.round_up(plen)] = 0  # never leak another block's bytes into the padding
+            payload = bounce[: ff.round_up(plen)]
+        elif is_aligned(src) and src.nbytes >= self.padded:
             payload = src[: self.padded]
         else:
             bounce[: self.block_bytes] = src[: self.block_bytes]
             bounce[self.block_bytes:] = 0  # never leak another block's bytes into the padding
             payload = bounce
-        header = ff.Header(self.codec_id, self.block_bytes, ff.checksum(payload[: self.block_bytes]),
+        header = ff.Header(self.codec_id, plen, ff.checksum(payload[:plen]),
                            time.time(), self.namespace, entry.key)
         if self.header == "inline":
             ff.pack_header(header, hdr)
@@ -250,15 +279,17 @@ class NvmeTier(Tier):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600, dir_fd=self._tmp_fd)
             try:
                 if self.header == "xattr":
-                    _pwrite_all(fd, [payload], self.file_bytes)
+                    _pwrite_all(fd, [payload], fbytes)
                     os.setxattr(fd, ff.XATTR, ff.header_bytes(header))
                 else:
-                    _pwrite_all(fd, [hdr, payload], self.file_bytes)
+                    _pwrite_all(fd, [hdr, payload], fbytes)
                 t = entry.last_access
                 os.utime(fd, (t, t))
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=self._tmp_fd, dst_dir_fd=leaf)
+            if fbytes != entry.nbytes:
+                self._resize(entry, fbytes)
             return True
         except OSError as e:
             self.count("write_failed")
@@ -291,8 +322,8 @@ class NvmeTier(Tier):
         out = _as_bytes(out)
         if out.nbytes < self.block_bytes:
             raise ValueError(f"output of {out.nbytes} bytes, need {self.block_bytes}")
-        direct = is_aligned(out) and out.nbytes >= self.padded
-        dst = out[: self.padded] if direct else bounce
+        direct = self.codec is None and is_aligned(out) and out.nbytes >= self.padded
+        dst = out[: self.padded] if direct else bounce  # a codec reads the encoded bytes, then decodes
         name = self._name(entry.key)
         try:
             leaf = self._leaf_fd(entry.key, create=False)
@@ -315,18 +346,25 @@ class NvmeTier(Tier):
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise ff.BadBlockFile("not_a_file")
-                if st.st_size != self.file_bytes:
+                if st.st_size > self.file_bytes or (self.fixed_size and st.st_size != self.file_bytes):
                     raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size",
                                           f"{st.st_size} bytes")
                 h = self._header_of(fd)
-                n = _pread_all(fd, [dst] if self.header == "xattr" else [hdr, dst], self.file_bytes)
-                if n != self.file_bytes:
+                n = _pread_all(fd, [dst] if self.header == "xattr" else [hdr, dst], st.st_size)
+                if n != st.st_size:
                     raise ff.BadBlockFile("truncated", f"read {n} bytes")
                 if self.header == "inline":
                     h = ff.unpack_header(hdr)
                 self._check(h, entry.key)
-                if ff.checksum(dst[: self.block_bytes]) != h.checksum:
+                if st.st_size != self.file_bytes_for(h.payload_len):
+                    raise ff.BadBlockFile("truncated", f"{st.st_size} bytes for a {h.payload_len}-byte payload")
+                if ff.checksum(dst[: h.payload_len]) != h.checksum:
                     raise ff.BadBlockFile("bad_checksum")
+                if self.codec is not None:
+                    try:
+                        self.codec.decode(dst, h.payload_len, out[: self.block_bytes])
+                    except CodecError as e:
+                        raise ff.BadBlockFile("bad_payload", str(e)) from None
                 try:
                     t = entry.last_access  # the hit's time (acquire touched it): recency survives a restart
                     os.utime(fd, (t, t))
@@ -342,7 +380,7 @@ class NvmeTier(Tier):
                 os.close(fd)
         finally:
             os.close(leaf)
-        if not direct:
+        if not direct and self.codec is None:
             out[: self.block_bytes] = bounce[: self.block_bytes]
         return True
 
@@ -360,8 +398,11 @@ class NvmeTier(Tier):
             raise ff.BadBlockFile("foreign")
         if h.key != key:
             raise ff.BadBlockFile("wrong_key")
-        if h.payload_len != self.block_bytes or h.codec_id != self.codec_id:
-            raise ff.BadBlockFile("foreign", "size or codec differ")
+        if h.codec_id != self.codec_id:
+            raise ff.BadBlockFile("foreign", "codec differs")
+        ok_len = h.payload_len == self.payload_max if self.fixed_size else 0 < h.payload_len <= self.payload_max
+        if not ok_len:
+            raise ff.BadBlockFile("foreign", f"payload of {h.payload_len} bytes")
 
     def _bad_count(self, reason: str, detail: str) -> None:
         with self.lock:
@@ -431,7 +472,7 @@ class NvmeTier(Tier):
                     self.stats["tmp_removed"] += 1
                 except OSError:
                     pass
-        found: list[tuple[float, bytes]] = []
+        found: list[tuple[float, bytes, int]] = []
         hbuf = bytearray(ff.HEADER_BYTES)
         for d1 in os.scandir(self._root_fd):
             if d1.name.startswith(PROBE_PREFIX) and not d1.is_dir(follow_symlinks=False):
@@ -473,11 +514,11 @@ class NvmeTier(Tier):
         now = self.clock()
         dropped: list[Entry] = []
         with self.lock:
-            for mtime, key in found:
-                e, ev = self.index.add_ready(key, self.entry_bytes, min(mtime, now), now)
+            for mtime, key, nbytes in found:
+                e, ev = self.index.add_ready(key, nbytes, min(mtime, now), now)
                 dropped.extend(ev)
                 if e is None:
-                    dropped.append(Entry(key=key, nbytes=self.entry_bytes, last_access=mtime, expire_at=0.0))
+                    dropped.append(Entry(key=key, nbytes=nbytes, last_access=mtime, expire_at=0.0))
             # entries already past their TTL
             dropped.extend(self.index.expire(now, limit=len(self.index) + 1))
         for e in dropped:
@@ -485,7 +526,8 @@ class NvmeTier(Tier):
         self.stats["scanned"] = len(found)
         self.stats["dropped_at_scan"] += len(dropped)
 
-    def _scan_one(self, dir_fd: int, d1: str, d2: str, f: os.DirEntry, hbuf: bytearray) -> tuple[float, bytes] | None:
+    def _scan_one(self, dir_fd: int, d1: str, d2: str, f: os.DirEntry,
+                  hbuf: bytearray) -> tuple[float, bytes, int] | None:
         if f.is_symlink():
             return None  # never followed, never deleted through
         if not f.is_file(follow_symlinks=False):
@@ -507,7 +549,7 @@ class NvmeTier(Tier):
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise ff.BadBlockFile("not_a_file")
-                if st.st_size != self.file_bytes:
+                if st.st_size > self.file_bytes or (self.fixed_size and st.st_size != self.file_bytes):
                     raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size")
                 if self.header == "xattr":
                     h = self._header_of(fd)
@@ -518,13 +560,15 @@ class NvmeTier(Tier):
             finally:
                 os.close(fd)
             self._check(h, key)
+            if st.st_size != self.file_bytes_for(h.payload_len):
+                raise ff.BadBlockFile("truncated", f"{st.st_size} bytes for a {h.payload_len}-byte payload")
         except ff.BadBlockFile as e:
             self._bad(dir_fd, f.name, e.reason, str(e))
             return None
         except OSError as e:
             self._bad(dir_fd, f.name, "read_failed", str(e))
             return None
-        return st.st_mtime, key
+        return st.st_mtime, key, st.st_size
 
 
 def _pwrite_all(fd: int, bufs: list, total: int) -> None:
