@@ -36,6 +36,8 @@ class Entry:
     slot: int = -1  # tier-private locator (a DRAM slot); -1 when unused
     reason: str = ""  # why it left the index (EXPIRED / CAPACITY), set on eviction
     ttl: float | None = None  # per-entry TTL (TTL classes); None = the tier's
+    first_session: Hashable = None  # the first session that hit it (for ``ttl_shared_s``)
+    shared: bool = False  # hit by >= 2 distinct sessions (then ``ttl`` is the tier's shared TTL)
 
 
 class TierIndex:
@@ -47,10 +49,13 @@ class TierIndex:
         *,
         max_expire_per_call: int = 256,
         max_scan_per_call: int = 4096,
+        ttl_shared_s: float | None = None,
     ) -> None:
         assert capacity_bytes >= 0
         self.capacity = int(capacity_bytes)
         self.ttl = ttl_s
+        # TTL class: entries hit by >= 2 distinct sessions get this idle TTL (None: all get ``ttl``)
+        self.ttl_shared = ttl_shared_s
         self.policy = policy
         self.max_expire = max_expire_per_call
         self.max_scan = max_scan_per_call
@@ -102,7 +107,17 @@ class TierIndex:
         self._seq = len(self._heap)
 
     def touch(self, e: Entry, now: float, session: str | None = None) -> None:
-        """A hit: refresh recency and the idle TTL."""
+        """A hit: refresh recency and the idle TTL.
+
+        With ``ttl_shared`` set, the second distinct ``session`` that hits an entry moves it to
+        the shared TTL class (tracked with one remembered session and a flag: O(1) per hit).
+        """
+        if self.ttl_shared is not None and session is not None and not e.shared:
+            if e.first_session is None:
+                e.first_session = session
+            elif session != e.first_session:
+                e.shared = True
+                e.ttl = self.ttl_shared
         self._set_expiry(e, now)
         self.policy.touch(e.key, session)
 
@@ -136,7 +151,8 @@ class TierIndex:
         evicted list is still returned because expired entries may have been swept.
         """
         assert key not in self.entries, "reserve of a key already in the index"
-        evicted = self.expire(now)
+        heap = self._heap
+        evicted = self.expire(now) if heap and heap[0][0] <= now else []  # (nothing due: no sweep)
         if nbytes > self.capacity:
             return None, evicted
         need = self.used + nbytes - self.capacity

@@ -1,0 +1,8 @@
+"""``kvstore tune``: replay a request trace through the store's own policy and tier accounting
+(:class:`kvstore.tune.simulate.Simulator`) over a grid of TTLs and capacities, and recommend a
+config. See the README's "TTL tuning" section."""
+
+from kvstore.tune.simulate import Simulator, simulate
+from kvstore.tune.traces import Trace, from_records, load_trace, synth_records
+
+__all__ = ["Simulator", "simulate", "Trace", "from_records", "load_trace", "synth_records"]

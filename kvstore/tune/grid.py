@@ -1,0 +1,222 @@
+"""The grid of settings (TTL and capacity per tier) and its evaluation, in parallel processes.
+
+A setting is ``(dram_gb, dram_ttl, nvme_gb, nvme_ttl)``. Each one is a full replay of the trace
+through :class:`~kvstore.tune.simulate.Simulator`. Work is skipped, exactly, where a replay
+shows that a coordinate never mattered: if a tier never filled up (its capacity was never
+consulted), every larger capacity gives the same run; if no entry of a tier was ever seen past
+its TTL, every longer TTL does. Points are evaluated in waves of increasing rank (the sum of
+their coordinates' positions), so each point's smaller neighbours are known before it runs.
+
+Search modes: ``full`` (every combination), ``staged`` (DRAM TTL x capacity with NVMe at its
+largest, then NVMe TTL x capacity with DRAM at the stage-1 pick: two slices instead of the
+product), ``auto`` (full when it is small enough).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvstore.config import GiB
+from kvstore.tune.simulate import Simulator
+from kvstore.tune.traces import Trace
+
+DEFAULT_DRAM_TTLS: tuple[float | None, ...] = (30, 60, 120, 300, 600, 1800, 3600, None)
+DEFAULT_NVME_TTLS: tuple[float | None, ...] = (600, 1800, 3600, 4 * 3600, 12 * 3600, 86400, None)
+DEFAULT_FRACTIONS = (1.0, 0.5, 0.25)
+AUTO_FULL_LIMIT = 5_000_000  # request replays (points x requests) below which ``auto`` runs the full grid
+
+Setting = tuple  # (dram_gb, dram_ttl, nvme_gb, nvme_ttl)
+
+
+@dataclass(frozen=True)
+class Common:
+    """What every point shares."""
+
+    block_bytes: int
+    dram_policy: str = "lru"
+    nvme_policy: str = "lru"
+    dram_ttl_shared: float | None = None
+    nvme_ttl_shared: float | None = None
+    write_mode: str = "write_back"
+    nvme_header: str = "xattr"
+
+
+def ttl_key(ttl: float | None) -> float:
+    return math.inf if ttl is None else float(ttl)
+
+
+def tiers_of(s: Setting, c: Common) -> dict:
+    return {"dram": {"capacity_gb": s[0], "ttl_s": s[1], "ttl_shared_s": c.dram_ttl_shared, "policy": c.dram_policy},
+            "nvme": {"capacity_gb": s[2], "ttl_s": s[3], "ttl_shared_s": c.nvme_ttl_shared, "policy": c.nvme_policy}}
+
+
+def make_sim(s: Setting, c: Common, **kw) -> Simulator:
+    return Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB),
+                     dram_ttl=s[1], nvme_ttl=s[3], dram_ttl_shared=c.dram_ttl_shared,
+                     nvme_ttl_shared=c.nvme_ttl_shared, dram_policy=c.dram_policy, nvme_policy=c.nvme_policy,
+                     write_mode=c.write_mode, nvme_header=c.nvme_header, **kw)
+
+
+def run_point(trace: Trace, s: Setting, c: Common, rate: float = 1.0) -> dict:
+    """One replay. ``rate`` < 1: ``trace`` is a session sample of that rate; capacities are
+    scaled down by it and counts scaled back up, so results read as full-trace estimates."""
+    sim = make_sim((s[0] * rate, s[1], s[2] * rate, s[3]), c)
+    req = sim.request
+    t0 = time.perf_counter()
+    for r in trace.requests():
+        req(*r)
+    out = sim.result()
+    out["sim_seconds"] = time.perf_counter() - t0
+    out["sim_requests"] = len(trace)
+    out["simulated"] = True
+    out["sample_rate"] = rate
+    if rate != 1.0:
+        _unscale(out, 1.0 / rate)
+    out["tiers"] = tiers_of(s, c)
+    _set_capacities(out, s, c)
+    return out
+
+
+_COUNTS = ("requests", "replay_requests", "prompt_tokens", "saved_prefill_tokens", "replay_hit_tokens",
+           "genuine_hit_tokens", "lookup_tokens", "tail_tokens", "demotions", "promotions")
+_COUNT_MAPS = ("hit_tokens_by_tier", "misses_by_reason", "evicted_for_capacity", "expired")
+
+
+def _unscale(r: dict, f: float) -> None:
+    for k in _COUNTS:
+        r[k] = int(round(r[k] * f))
+    for k in _COUNT_MAPS:
+        r[k] = {a: int(round(v * f)) for a, v in r[k].items()}
+    for h in r["bytes_held"].values():
+        for k in ("p50", "p99", "max", "mean"):
+            h[k] = h[k] * f
+
+
+def _set_capacities(r: dict, s: Setting, c: Common) -> None:
+    sim = Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB))
+    r["bytes_held"]["dram"]["capacity"] = sim.D.capacity if sim.D is not None else 0
+    r["bytes_held"]["nvme"]["capacity"] = sim.N.capacity if sim.N is not None else 0
+
+
+# -- worker processes (fork: the trace is inherited, not pickled) ----------------------------------
+_TRACE: Trace | None = None
+_COMMON: Common | None = None
+
+
+_RATE = 1.0
+
+
+def _work(s: Setting) -> tuple[Setting, dict]:
+    return s, run_point(_TRACE, s, _COMMON, _RATE)
+
+
+class Evaluator:
+    """Evaluates settings with reuse (see the module doc); ``jobs`` processes."""
+
+    def __init__(self, trace: Trace, common: Common, axes: Sequence[Sequence], jobs: int = 1,
+                 progress: Callable[[int, int, int], None] | None = None, rate: float = 1.0):
+        self.trace, self.common, self.rate = trace, common, rate
+        self.axes = [list(a) for a in axes]  # each sorted ascending (None TTL last)
+        self.jobs = max(1, jobs)
+        self.results: dict[Setting, dict] = {}
+        self.simulated = 0
+        self.copied = 0
+        self.progress = progress
+        self._pool = None
+
+    def __enter__(self) -> "Evaluator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+            self._pool = None
+
+    def _map(self, todo: list[Setting]) -> list[tuple[Setting, dict]]:
+        if self.jobs == 1 or len(todo) == 1 or "fork" not in mp.get_all_start_methods():
+            return [(s, run_point(self.trace, s, self.common, self.rate)) for s in todo]
+        if self._pool is None:
+            global _TRACE, _COMMON, _RATE
+            _TRACE, _COMMON, _RATE = self.trace, self.common, self.rate
+            self._pool = mp.get_context("fork").Pool(self.jobs)
+        return self._pool.map(_work, todo, chunksize=1)
+
+    def _index(self, s: Setting) -> tuple[int, ...]:
+        return tuple(ax.index(v) for ax, v in zip(self.axes, s))
+
+    def _source(self, s: Setting) -> Setting | None:
+        """An evaluated neighbour one step smaller on one axis that did not consult that axis."""
+        idx = self._index(s)
+        for a in range(4):
+            if idx[a] == 0:
+                continue
+            q = list(s)
+            q[a] = self.axes[a][idx[a] - 1]
+            q = tuple(q)
+            r = self.results.get(q)
+            if r is None:
+                continue
+            tier = "dram" if a < 2 else "nvme"
+            used = r["capacity_consulted" if a % 2 == 0 else "ttl_consulted"][tier]
+            if not used:
+                return q
+        return None
+
+    def evaluate(self, settings: Sequence[Setting]) -> list[dict]:
+        want = [s for s in dict.fromkeys(settings) if s not in self.results]
+        waves: dict[int, list[Setting]] = {}
+        for s in want:
+            waves.setdefault(sum(self._index(s)), []).append(s)
+        done = 0
+        for rank in sorted(waves):
+            todo = []
+            for s in waves[rank]:
+                q = self._source(s)
+                if q is not None:
+                    self.results[s] = _copy_result(self.results[q], s, self.common)
+                    self.copied += 1
+                    done += 1
+                else:
+                    todo.append(s)
+            if todo:
+                for s, r in self._map(todo):
+                    self.results[s] = r
+                    self.simulated += 1
+                    done += 1
+            if self.progress:
+                self.progress(done, len(want), self.simulated)
+        return [self.results[s] for s in settings]
+
+
+def _copy_result(r: dict, s: Setting, c: Common) -> dict:
+    out = copy.deepcopy(r)
+    out["tiers"] = tiers_of(s, c)
+    out["simulated"] = False  # identical to a smaller setting's replay (see the module doc)
+    out["sim_seconds"] = 0.0
+    _set_capacities(out, s, c)
+    return out
+
+
+def capacities(budget_gb: float, fractions: Sequence[float]) -> list[float]:
+    return sorted({round(budget_gb * f, 6) for f in fractions})
+
+
+def sorted_ttls(ttls: Sequence[float | None]) -> list[float | None]:
+    return sorted(dict.fromkeys(ttls), key=ttl_key)
+
+
+def default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover
+        return max(1, os.cpu_count() or 1)

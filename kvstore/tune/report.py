@@ -1,0 +1,229 @@
+"""The tuner's outputs: Markdown summary, YAML config, JSON, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from kvstore.config import from_dict, merge
+from kvstore.tune.grid import ttl_key
+from kvstore.tune.recommend import setting
+
+REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min")
+
+
+def fmt_ttl(ttl: float | None) -> str:
+    if ttl is None:
+        return "none"
+    t = float(ttl)
+    for unit, s in (("d", 86400), ("h", 3600), ("m", 60)):
+        if t >= s and t % s == 0:
+            return f"{int(t // s)}{unit}"
+    return f"{t:g}s"
+
+
+def parse_ttl(s: str) -> float | None:
+    s = s.strip().lower()
+    if s in ("none", "null", "inf", "never", "-"):
+        return None
+    mult = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if s and s[-1] in mult:
+        v = float(s[:-1]) * mult[s[-1]]
+    else:
+        v = float(s)
+    if not v > 0:
+        raise ValueError(f"a TTL must be > 0 seconds or none, got {s!r}")
+    return v
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, s in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= s:
+            v = n / s
+            return f"{v:.3g} {unit}" if v < 1000 else f"{v:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def _held(r: dict, tier: str) -> str:
+    h = r["bytes_held"][tier]
+    if not h["capacity"]:
+        return "-"
+    return f"{fmt_bytes(h['p50'])} / {fmt_bytes(h['p99'])} / {fmt_bytes(h['max'])}"
+
+
+def slices(points: Sequence[dict], rec: dict) -> list[dict]:
+    """The points that differ from the recommendation in at most one coordinate."""
+    s = setting(rec)
+    out = [r for r in points if sum(a != b for a, b in zip(setting(r), s)) <= 1]
+    return sorted(out, key=lambda r: (r["tiers"]["dram"]["capacity_gb"], ttl_key(r["tiers"]["dram"]["ttl_s"]),
+                                      r["tiers"]["nvme"]["capacity_gb"], ttl_key(r["tiers"]["nvme"]["ttl_s"])))
+
+
+def table(rows: Sequence[dict], rec: dict | None = None) -> str:
+    head = ("| | DRAM GB | DRAM TTL | NVMe GB | NVMe TTL | hit % | DRAM % | NVMe % | replay % | genuine % "
+            "| prefill saved (tokens) | DRAM held p50 / p99 / max | NVMe held p50 / p99 / max "
+            "| misses % (never / evicted / expired / diverged / below min) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = r["tiers"]
+        pt = max(1, r["prompt_tokens"])
+        mark = "**→**" if rec is not None and setting(r) == setting(rec) else ""
+        miss = " / ".join(f"{r['misses_by_reason'][k] / pt * 100:.1f}" for k in REASONS)
+        lines.append(f"| {mark} | {t['dram']['capacity_gb']:g} | {fmt_ttl(t['dram']['ttl_s'])} | "
+                     f"{t['nvme']['capacity_gb']:g} | {fmt_ttl(t['nvme']['ttl_s'])} | {r['hit_rate'] * 100:.1f} | "
+                     f"{r['hit_rate_by_tier']['dram'] * 100:.1f} | {r['hit_rate_by_tier']['nvme'] * 100:.1f} | "
+                     f"{r['replay_hit_rate'] * 100:.1f} | {r['genuine_hit_rate'] * 100:.1f} | "
+                     f"{r['saved_prefill_tokens']:,} | {_held(r, 'dram')} | {_held(r, 'nvme')} | {miss} |")
+    return "\n".join(lines)
+
+
+def markdown(res: dict, all_rows: bool = False) -> str:
+    tr, rec, an = res["trace"], res["recommended"], res["analysis"]
+    t = rec["tiers"]
+    out = [f"# kvstore tune: {res.get('trace_path', 'trace')}", ""]
+    bt = tr["block_tokens"]
+    out.append(f"Trace: {tr['requests']:,} requests, {tr['sessions']:,} sessions, {tr['duration_s'] / 3600:.2f} h, "
+               f"{tr['prompt_tokens']:,} prompt tokens, {tr['blocks_per_request']:.1f} blocks/request "
+               f"({bt} tokens, {fmt_bytes(res['block_bytes'])} per block), "
+               f"{tr['replay_requests'] / max(1, tr['requests']):.1%} replayed prompts.")
+    tm = res["timing"]
+    samp = ""
+    if res.get("sample_rate", 1.0) < 1:
+        st = res["sampled_trace"]
+        samp = (f" screened on a {res['sample_rate']:.2%} session sample ({st['sessions']:,} sessions, "
+                f"{st['requests']:,} requests; capacities scaled alike), the best {tm['confirmed']} replayed on "
+                f"the whole trace;")
+    out.append(f"Search: {res['search']}, {len(res['grid'])} settings ({tm['simulated']} replayed, "
+               f"{tm['reused']} identical to a smaller one);{samp} {tm['seconds']:.1f} s on {tm['jobs']} "
+               f"process(es), {tm['requests_per_s']:,.0f} requests/s per replay.")
+    b = res["budget"]
+    out.append(f"Budget: DRAM {b['dram_gb']:g} GB, NVMe {b['nvme_gb']:g} GB." + (
+        f" Cost model: DRAM {res['cost_model']['gb_hour_price_dram']:g}/GB-h, NVMe "
+        f"{res['cost_model']['gb_hour_price_nvme']:g}/GB-h, prefill {res['cost_model']['prefill_token_price']:g}/token."
+        if res.get("cost_model") else ""))
+    out += ["", "## Recommended", ""]
+    out.append(f"`tiers.dram`: capacity_gb {t['dram']['capacity_gb']:g}, ttl_s {fmt_ttl(t['dram']['ttl_s'])}; "
+               f"`tiers.nvme`: capacity_gb {t['nvme']['capacity_gb']:g}, ttl_s {fmt_ttl(t['nvme']['ttl_s'])}"
+               + (f" → `{res['out']}`" if res.get("out") else ""))
+    out.append(f"Hit rate {rec['hit_rate']:.1%} (DRAM {rec['hit_rate_by_tier']['dram']:.1%}, NVMe "
+               f"{rec['hit_rate_by_tier']['nvme']:.1%}; replay {rec['replay_hit_rate']:.1%}, genuine "
+               f"{rec['genuine_hit_rate']:.1%}), {rec['saved_prefill_tokens']:,} prefill tokens saved"
+               + (f", net value {rec['value']:,.4g}" if "value" in rec else "") + ".")
+    for tier in ("dram", "nvme"):
+        a = an[tier]
+        line = f"- {tier.upper()}: {a['detail']}"
+        if a.get("ttl_saturates_at", None) is not None or a.get("ttl_rises_to_the_longest"):
+            if a.get("ttl_rises_to_the_longest"):
+                line += f"; its hit rate keeps rising with TTL up to {fmt_ttl(a['ttl_saturates_at'])}"
+            else:
+                line += f"; its hit rate stops rising at TTL {fmt_ttl(a['ttl_saturates_at'])}"
+        out.append(line)
+    out += ["", "## Settings" + ("" if all_rows else " (through the recommendation, one coordinate varied)"), ""]
+    rows = sorted(res["grid"], key=lambda r: setting(r)[:1] + (ttl_key(setting(r)[1]), setting(r)[2],
+                                                                 ttl_key(setting(r)[3]))) if all_rows \
+        else slices(res["grid"], rec)
+    out.append(table(rows, rec if not res.get("confirmed") else
+                     next((r for r in res["grid"] if setting(r) == setting(rec)), None)))
+    if res.get("confirmed"):
+        out += ["", f"Replayed on the whole trace ({len(res['confirmed'])} best of the sample):", "",
+                table(res["confirmed"], rec)]
+    if res.get("plots"):
+        out += ["", "Plots: " + ", ".join(res["plots"])]
+    return "\n".join(out) + "\n"
+
+
+def write_yaml(path: str, rec: dict, base: dict | None, header: str) -> dict:
+    """The recommended config (``base`` with the tuned keys replaced), validated, as YAML."""
+    t = rec["tiers"]
+    over = {"tiers": {tier: {"capacity_gb": t[tier]["capacity_gb"], "ttl_s": t[tier]["ttl_s"],
+                             "ttl_shared_s": t[tier]["ttl_shared_s"], "policy": t[tier]["policy"]}
+                      for tier in ("dram", "nvme")}}
+    cfg = from_dict(merge(base or {}, over))
+    d = cfg.to_dict()
+    d["tiers"]["dram"]["capacity_gb"] = _num(d["tiers"]["dram"]["capacity_gb"])
+    d["tiers"]["nvme"]["capacity_gb"] = _num(d["tiers"]["nvme"]["capacity_gb"])
+    for tier in ("dram", "nvme"):
+        for k in ("ttl_s", "ttl_shared_s"):
+            d["tiers"][tier][k] = _num(d["tiers"][tier][k])
+    import yaml
+
+    d_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()))
+        yaml.safe_dump(d, f, sort_keys=False)
+    return d
+
+
+def _num(v):
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def write_json(path: str, res: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+def plots(out_dir: str, grid: Sequence[dict], rec: dict) -> list[str]:
+    """Hit rate and bytes held against TTL, one PNG per tier, one line per capacity (the other tier
+    at the recommendation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    s = setting(rec)
+    files = []
+    for tier, (ci, ti) in (("dram", (0, 1)), ("nvme", (2, 3))):
+        pts = [r for r in grid if all(setting(r)[j] == s[j] for j in range(4) if j not in (ci, ti))]
+        ttls = sorted({setting(r)[ti] for r in pts}, key=ttl_key)
+        finite = [x for x in ttls if x is not None]
+        if not pts or not ttls or s[ci] <= 0:
+            continue
+        none_x = (max(finite) * 4 if finite else 1.0)
+
+        def xpos(ttl):
+            return none_x if ttl is None else ttl
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        caps = sorted({setting(r)[ci] for r in pts})
+        for cap in caps:
+            rows = sorted((r for r in pts if setting(r)[ci] == cap), key=lambda r: ttl_key(setting(r)[ti]))
+            if cap <= 0:
+                continue
+            xs = [xpos(setting(r)[ti]) for r in rows]
+            line, = a1.plot(xs, [r["hit_rate_by_tier"][tier] * 100 for r in rows], "o-", label=f"{tier} hits, {cap:g} GB")
+            a1.plot(xs, [r["hit_rate"] * 100 for r in rows], "--", color=line.get_color(), alpha=0.6,
+                    label=f"all hits, {cap:g} GB")
+            a2.plot(xs, [r["bytes_held"][tier]["p50"] / (1 << 30) for r in rows], "o-", color=line.get_color(),
+                    label=f"p50, {cap:g} GB")
+            a2.plot(xs, [r["bytes_held"][tier]["p99"] / (1 << 30) for r in rows], "--", color=line.get_color(),
+                    label=f"p99, {cap:g} GB")
+            a2.plot(xs, [r["bytes_held"][tier]["max"] / (1 << 30) for r in rows], ":", color=line.get_color(),
+                    label=f"max, {cap:g} GB")
+        for ax in (a1, a2):
+            ax.set_xscale("log")
+            ax.set_xticks([xpos(x) for x in ttls])
+            ax.set_xticklabels([fmt_ttl(x) for x in ttls])
+            ax.minorticks_off()
+            ax.set_xlabel(f"{tier.upper()} TTL (idle)")
+            ax.grid(alpha=0.3)
+            ax.axvline(xpos(s[ti]), color="grey", lw=0.8, ls="-.")
+        a1.set_ylabel("token-weighted hit rate (%)")
+        a1.set_title(f"{tier.upper()}: hit rate vs TTL")
+        a2.set_ylabel("bytes held (GiB)")
+        a2.set_title(f"{tier.upper()}: bytes held vs TTL")
+        a1.legend(fontsize=7)
+        a2.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        f = os.path.join(out_dir, f"tune_{tier}.png")
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        files.append(f)
+    return files

@@ -1,0 +1,452 @@
+"""Replay requests through the store's own tier accounting with a virtual clock (no bytes moved).
+
+:class:`Simulator` drives two :class:`kvstore.index.TierIndex` objects (policies from
+:func:`kvstore.policy.make_policy`) through exactly the calls :class:`kvstore.store.KVStore`
+makes for one request of the connector — ``contains_prefix``, a load of the matched prefix
+(``get``: pin, count hits, promote NVMe blocks into DRAM) and a ``put`` of the prompt's full
+blocks — with the store's cross-tier rules:
+
+* a DRAM victim (expired or evicted for capacity) is demoted to NVMe unless NVMe already holds
+  it or it is already past NVMe's TTL (counted from its last access); the NVMe copy keeps the
+  DRAM recency;
+* an NVMe hit is promoted (copied) into DRAM; keys NVMe holds are not stored in DRAM again;
+* entry sizes: a DRAM slot is the block rounded up to 4 KiB, DRAM capacity a whole number of
+  slots; an NVMe file is the same padded size (the ``xattr`` header layout, the default where
+  the file system keeps xattrs; ``nvme_header="inline"`` adds the 4 KiB header);
+* miss reasons as the store's: ``expired`` (still indexed, past its TTL), then what the store
+  remembers about keys that left (a bounded "ghost" list: ``evicted`` / ``expired``), then
+  ``diverged`` (a prefix matched) or ``never_stored``; ``below_min`` for a request without a
+  full block.
+
+Only prompt blocks are stored (output blocks have no keys in a trace). Keys may be any
+hashable (the tuner interns them to ints). The simulator also records whether a tier's
+capacity or TTL was ever *consulted* (a reserve found the tier full; an entry was seen past its
+TTL): a run where it was not gives identical results for any larger capacity or TTL, which the
+grid search uses to skip work.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+from kvstore.fileformat import file_bytes, round_up
+from kvstore.index import EXPIRED, READY, Entry, TierIndex
+from kvstore.policy import make_policy
+
+def _none(_k):
+    return None
+
+
+REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min")
+GHOST_CAPACITY = 1 << 17  # KVStore's default ghost_capacity
+
+
+class Simulator:
+    """Two tiers (either may be disabled with capacity 0) and the store's rules between them."""
+
+    def __init__(self, *, block_bytes: int, dram_bytes: int, nvme_bytes: int,
+                 dram_ttl: float | None = None, nvme_ttl: float | None = None,
+                 dram_ttl_shared: float | None = None, nvme_ttl_shared: float | None = None,
+                 dram_policy: str = "lru", nvme_policy: str = "lru", write_mode: str = "write_back",
+                 nvme_header: str = "xattr", ghost_capacity: int = GHOST_CAPACITY,
+                 record_samples: bool = True):
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        if write_mode not in ("write_back", "write_through"):
+            raise ValueError(f"write_mode must be write_back or write_through, got {write_mode!r}")
+        self.block_bytes = int(block_bytes)
+        self.slot_bytes = round_up(self.block_bytes)
+        self.nvme_entry_bytes = self.slot_bytes if nvme_header != "inline" else file_bytes(self.block_bytes)
+        self.n_slots = int(dram_bytes) // self.slot_bytes
+        self.D: TierIndex | None = None
+        self.N: TierIndex | None = None
+        if dram_bytes > 0 and self.n_slots > 0:  # as KVStore: a pool without a slot is no tier
+            self.D = TierIndex(self.n_slots * self.slot_bytes, dram_ttl, make_policy(dram_policy),
+                               ttl_shared_s=dram_ttl_shared)
+        if nvme_bytes > 0:
+            self.N = TierIndex(int(nvme_bytes), nvme_ttl, make_policy(nvme_policy), ttl_shared_s=nvme_ttl_shared)
+        self.write_through = write_mode == "write_through"
+        self.step = max(1, self.n_slots // 2)  # KVStore.put's chunk (half the DRAM slots)
+        self._ghosts: OrderedDict[Hashable, str] = OrderedDict()
+        self._ghost_cap = ghost_capacity
+        self.record_samples = record_samples
+        # results
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.lookup_tokens = 0
+        self.lookup_blocks = 0
+        self.hit_tokens = {"dram": 0, "nvme": 0}
+        self.replay_hit_tokens = 0
+        self.genuine_hit_tokens = 0
+        self.replay_requests = 0
+        self.miss_tokens = dict.fromkeys(REASONS, 0)
+        self.evicted = {"dram": 0, "nvme": 0}  # for capacity
+        self.expired = {"dram": 0, "nvme": 0}
+        self.demotions = 0
+        self.promotions = 0
+        self.samples = {"dram": array("q"), "nvme": array("q")}  # bytes held at each request
+        self.byte_seconds = {"dram": 0.0, "nvme": 0.0}  # time integral of bytes held
+        self.t0: float | None = None
+        self.t_last: float | None = None
+        # was the capacity / TTL of a tier ever consulted (see the module doc)
+        # (a disabled tier counts as consulted: a larger capacity enables it, a different run)
+        self.cap_used = {"dram": self.D is None, "nvme": self.N is None}
+        self.ttl_used = {"dram": False, "nvme": False}
+
+    @classmethod
+    def from_config(cls, cfg, block_bytes: int, **kw) -> "Simulator":
+        """A simulator with the tiers of a :class:`kvstore.config.StoreConfig`."""
+        d, n = cfg.tiers.dram, cfg.tiers.nvme
+        return cls(block_bytes=block_bytes, dram_bytes=d.capacity_bytes if d.enabled else 0,
+                   nvme_bytes=n.capacity_bytes if n.enabled else 0, dram_ttl=d.ttl_s, nvme_ttl=n.ttl_s,
+                   dram_ttl_shared=d.ttl_shared_s, nvme_ttl_shared=n.ttl_shared_s, dram_policy=d.policy,
+                   nvme_policy=n.policy, write_mode=n.write_mode,
+                   nvme_header="inline" if n.header == "inline" else "xattr", **kw)
+
+    # -- the store's pieces ----------------------------------------------------------------------
+    def _name(self, ix: TierIndex) -> str:
+        return "dram" if ix is self.D else "nvme"
+
+    def _holds(self, ix: TierIndex, k: Hashable, now: float) -> bool:
+        """Tier.holds: READY and unexpired, or being written."""
+        e = ix.entries.get(k)
+        if e is None:
+            return False
+        if e.state != READY:
+            return True
+        if ix.lookup(k, now) is not None:
+            return True
+        self.ttl_used[self._name(ix)] = True
+        return False
+
+    def _reserve(self, ix: TierIndex, keys: Sequence[Hashable], nbytes: int, now: float) -> list[Entry | None]:
+        """Tier.reserve: WRITING entries (None where present or no room); victims then go to _evict."""
+        out: list[Entry | None] = []
+        evicted: list[Entry] = []
+        entries = ix.entries
+        reserve = ix.reserve
+        for k in keys:
+            old = entries.get(k)
+            if old is not None:
+                if old.state == READY and old.expire_at <= now and not old.pins:
+                    self.ttl_used["dram" if ix is self.D else "nvme"] = True
+                    evicted.append(ix.remove(k, EXPIRED))  # present but expired: replace
+                else:
+                    out.append(None)
+                    continue
+            if ix.used + nbytes > ix.capacity:
+                self.cap_used["dram" if ix is self.D else "nvme"] = True
+            e, ev = reserve(k, nbytes, now)
+            if ev:
+                evicted.extend(ev)
+            out.append(e)
+        if evicted:
+            self._evict(ix, evicted, now)
+        return out
+
+    def _evict(self, ix: TierIndex, evicted: list[Entry], now: float) -> None:
+        name = self._name(ix)
+        exp = 0
+        for e in evicted:
+            if e.reason == EXPIRED:
+                exp += 1
+        if exp:
+            self.ttl_used[name] = True
+            self.expired[name] += exp
+        self.evicted[name] += len(evicted) - exp
+        if ix is self.D:
+            self._demote(evicted, now)
+        else:
+            D = self.D
+            self._remember_gone([e for e in evicted if D is None or D.lookup(e.key, now) is None])
+
+    def _demote(self, entries: list[Entry], now: float) -> None:
+        """KVStore._on_dram_evict_copy (writes always succeed here)."""
+        N = self.N
+        if N is None:
+            self._remember_gone(entries)
+            return
+        todo = [e for e in entries if not self._holds(N, e.key, now)]
+        ttl = N.ttl
+        if ttl is not None and todo:
+            stale = [e for e in todo if e.last_access + ttl <= now]
+            if stale:
+                self.ttl_used["nvme"] = True
+                self._remember_gone(stale, EXPIRED)
+                todo = [e for e in todo if e.last_access + ttl > now]
+        if not todo:
+            return
+        nentries = self._reserve(N, [e.key for e in todo], self.nvme_entry_bytes, now)
+        lost = []
+        for ne, e in zip(nentries, todo):
+            if ne is None:
+                lost.append(e)
+            else:
+                ne.last_access = e.last_access
+                N.commit(ne, e.last_access)  # the NVMe copy keeps the DRAM recency
+                self.demotions += 1
+        if lost:
+            self._remember_gone(lost)
+
+    def _remember_gone(self, entries: list[Entry], reason: str | None = None) -> None:
+        g = self._ghosts
+        for e in entries:
+            why = reason or e.reason
+            g[e.key] = why if why in (EXPIRED, "corrupt") else "evicted"
+            g.move_to_end(e.key)
+        while len(g) > self._ghost_cap:
+            g.popitem(last=False)
+
+    def _forget_gone(self, keys) -> None:
+        g = self._ghosts
+        if g:
+            for k in keys:
+                g.pop(k, None)
+
+    def _miss_reason(self, k: Hashable, at: int, now: float) -> str:
+        for ix in (self.D, self.N):
+            if ix is not None:
+                e = ix.entries.get(k)
+                if e is not None and e.state == READY and e.expire_at <= now:
+                    self.ttl_used[self._name(ix)] = True
+                    return EXPIRED
+        why = self._ghosts.get(k)
+        if why is not None:
+            return why
+        return "diverged" if at > 0 else "never_stored"
+
+    # -- one request -----------------------------------------------------------------------------
+    def request(self, t: float, session: Hashable, keys: Sequence[Hashable], prompt_tokens: int,
+                block_tokens: int, replay: bool = False) -> tuple[int, int, str | None]:
+        """Look up, load the matched prefix, store the prompt's blocks. Returns (dram hits, nvme
+        hits, miss reason) in blocks."""
+        now = t
+        D, N = self.D, self.N
+        self._advance(now)
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        nk = len(keys)
+        self.lookup_tokens += nk * block_tokens
+        self.lookup_blocks += nk
+        if replay:
+            self.replay_requests += 1
+        # contains_prefix (lookups do not change state; the load below reuses what they found)
+        # (TierIndex.lookup's test, inlined: READY and not past its deadline)
+        dents: list[Entry | None] = []
+        nents: list[Entry | None] = []
+        dget = D.entries.get if D is not None else _none
+        nget = N.entries.get if N is not None else _none
+        n_nvme = 0
+        for k in keys:
+            de = dget(k)
+            if de is not None:
+                if de.state == READY and de.expire_at > now:
+                    dents.append(de)
+                    nents.append(None)
+                    continue
+                self.ttl_used["dram"] = True  # indexed but past its TTL (WRITING is impossible here)
+            ne = nget(k)
+            if ne is None or ne.state != READY or ne.expire_at <= now:
+                if ne is not None:
+                    self.ttl_used["nvme"] = True
+                break
+            dents.append(None)
+            nents.append(ne)
+            n_nvme += 1
+        n = len(dents)
+        n_dram = n - n_nvme
+        reason = None
+        if nk == 0:
+            reason = "below_min"
+            self.miss_tokens[reason] += prompt_tokens
+        elif n < nk:
+            reason = self._miss_reason(keys[n], n, now)
+            self.miss_tokens[reason] += (nk - n) * block_tokens
+        if n:
+            self.hit_tokens["dram"] += n_dram * block_tokens
+            self.hit_tokens["nvme"] += n_nvme * block_tokens
+            if replay:
+                self.replay_hit_tokens += n * block_tokens
+            else:
+                self.genuine_hit_tokens += n * block_tokens
+            self._load(keys, dents, nents, n_nvme, session, now)
+        self._put(keys, now)
+        if self.record_samples:
+            self.samples["dram"].append(D.used if D is not None else 0)
+            self.samples["nvme"].append(N.used if N is not None else 0)
+        return n_dram, n_nvme, reason
+
+    def _advance(self, now: float) -> None:
+        if self.t0 is None:
+            self.t0 = self.t_last = now
+            return
+        dt = now - self.t_last
+        if dt > 0:
+            if self.D is not None:
+                self.byte_seconds["dram"] += self.D.used * dt
+            if self.N is not None:
+                self.byte_seconds["nvme"] += self.N.used * dt
+            self.t_last = now
+
+    def _load(self, keys, dents, nents, n_nvme: int, session, now: float) -> None:
+        """KVStore._begin_load + end_load for the matched prefix."""
+        D, N = self.D, self.N
+        for e in dents:
+            if e is not None:
+                e.pins += 1
+        for e in nents:
+            if e is not None:
+                e.pins += 1
+        if D is not None:
+            for e in reversed(dents):  # head of the chain ends most recent
+                if e is not None:
+                    D.touch(e, now, session)
+        if N is not None and n_nvme:
+            for e in reversed(nents):
+                if e is not None:
+                    N.touch(e, now, session)
+        if not n_nvme:
+            for e in dents:
+                e.pins -= 1
+            return
+        # promote: NVMe blocks are copied into fresh DRAM slots (while the DRAM hits stay pinned)
+        nv = [e for e in nents if e is not None]
+        dres = self._reserve(D, [e.key for e in nv], self.slot_bytes, now) if D is not None else [None] * len(nv)
+        for e in nv:
+            N.unpin(e)
+        if D is not None:
+            for de in dres:
+                if de is not None:
+                    D.commit(de, now)
+                    self.promotions += 1
+                    de.pins += 1  # keep_pinned until end_load
+            for de in dres:
+                if de is not None:
+                    D.unpin(de)
+            for e in dents:
+                if e is not None:
+                    D.unpin(e)
+
+    def _put(self, keys: Sequence[Hashable], now: float) -> None:
+        """KVStore.put of the prompt's full blocks (present keys skipped)."""
+        D, N = self.D, self.N
+        if D is None:
+            if N is not None:
+                self._put_nvme(keys, now)
+            return
+        step = self.step
+        nk = len(keys)
+        if nk > step:
+            self.cap_used["dram"] = True  # the chunking depends on the DRAM size
+        for i in reversed(range(0, nk, step)):
+            chunk = keys[i:i + step] if nk > step else keys
+            # begin_store: keys NVMe holds are not stored in DRAM again
+            if N is not None:
+                nget = N.entries.get
+                want = []
+                for k in chunk:  # not N.holds(k)
+                    e = nget(k)
+                    if e is None:
+                        want.append(k)
+                    elif e.state == READY and e.expire_at <= now:
+                        self.ttl_used["nvme"] = True
+                        want.append(k)
+                got = dict(zip(want, self._reserve(D, want, self.slot_bytes, now))) if want else {}
+                entries = [got.pop(k, None) for k in chunk]
+            else:
+                entries = self._reserve(D, chunk, self.slot_bytes, now)
+            # end_store: commit, last block first
+            stored = []
+            for e in reversed(entries):
+                if e is not None:
+                    D.commit(e, now)
+                    stored.append(e.key)
+            self._forget_gone(stored)
+            if stored and self.write_through and N is not None:
+                stored.reverse()  # the keys' order
+                self._write_through(stored, now)
+            if N is not None:
+                rest = [k for k, e in zip(chunk, entries) if e is None and not self._holds(D, k, now)]
+                if rest:
+                    self._put_nvme(rest, now)
+
+    def _put_nvme(self, keys: Sequence[Hashable], now: float) -> None:
+        N = self.N
+        entries = self._reserve(N, keys, self.nvme_entry_bytes, now)
+        stored = []
+        for e in reversed(entries):
+            if e is not None:
+                N.commit(e, now)
+                stored.append(e.key)
+        self._forget_gone(stored)
+
+    def _write_through(self, keys: list[Hashable], now: float) -> None:
+        D, N = self.D, self.N
+        dents = [D.lookup(k, now) for k in keys]
+        for e in dents:
+            if e is not None:
+                e.pins += 1
+        nents = self._reserve(N, keys, self.nvme_entry_bytes, now)
+        for ne in nents:
+            if ne is not None:
+                N.commit(ne, now)
+        for e in dents:
+            if e is not None:
+                D.unpin(e)
+
+    # -- results -----------------------------------------------------------------------------------
+    def result(self) -> dict:
+        """Totals: token-weighted hit rates, replay vs genuine, misses by reason, bytes held."""
+        pt = self.prompt_tokens or 1
+        hits = self.hit_tokens["dram"] + self.hit_tokens["nvme"]
+        dur = (self.t_last - self.t0) if self.t0 is not None else 0.0
+        held = {}
+        for name, ix in (("dram", self.D), ("nvme", self.N)):
+            s = self.samples[name]
+            held[name] = {"p50": _pct(s, 50), "p99": _pct(s, 99), "max": max(s) if len(s) else 0,
+                          "mean": self.byte_seconds[name] / dur if dur > 0 else (float(s[-1]) if len(s) else 0.0),
+                          "capacity": ix.capacity if ix is not None else 0}
+        return {
+            "requests": self.requests,
+            "replay_requests": self.replay_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_rate": hits / pt,
+            "hit_rate_by_tier": {k: v / pt for k, v in self.hit_tokens.items()},
+            "hit_tokens_by_tier": dict(self.hit_tokens),
+            "saved_prefill_tokens": hits,
+            "replay_hit_tokens": self.replay_hit_tokens,
+            "genuine_hit_tokens": self.genuine_hit_tokens,
+            "replay_hit_rate": self.replay_hit_tokens / pt,
+            "genuine_hit_rate": self.genuine_hit_tokens / pt,
+            "misses_by_reason": dict(self.miss_tokens),
+            "lookup_tokens": self.lookup_tokens,
+            "tail_tokens": self.prompt_tokens - self.lookup_tokens,  # partial last blocks: never stored
+            "block_tokens": self.lookup_tokens / self.lookup_blocks if self.lookup_blocks else 0.0,
+            "bytes_held": held,
+            "evicted_for_capacity": dict(self.evicted),
+            "expired": dict(self.expired),
+            "demotions": self.demotions,
+            "promotions": self.promotions,
+            "duration_s": dur,
+            "capacity_consulted": dict(self.cap_used),
+            "ttl_consulted": dict(self.ttl_used),
+        }
+
+
+def _pct(a: array, q: float) -> float:
+    if not len(a):
+        return 0.0
+    import numpy as np
+
+    return float(np.percentile(np.frombuffer(a, dtype=np.int64), q))
+
+
+def simulate(requests, **kw) -> dict:
+    """Run ``requests`` (iterable of (t, session, keys, prompt_tokens, block_tokens, replay)) once."""
+    sim = Simulator(**kw)
+    for r in requests:
+        sim.request(*r)
+    return sim.result()
+

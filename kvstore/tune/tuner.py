@@ -1,0 +1,100 @@
+"""The search: which settings to replay, on the whole trace or on a session sample first.
+
+* ``full``: every (DRAM capacity, DRAM TTL, NVMe capacity, NVMe TTL) combination.
+* ``staged``: DRAM TTL x capacity with NVMe at its largest capacity and TTL; then NVMe TTL x
+  capacity with DRAM at the stage-1 pick (the two slices instead of their product).
+* ``auto``: ``full`` when it is at most ``work_limit`` request replays, else ``staged``.
+
+Sampling (``sample`` < 1, or ``auto`` when the search is larger than ``work_limit`` request
+replays): the grid is screened on the requests of a hash-chosen fraction of the sessions with
+every capacity scaled by that fraction (counts are scaled back up), then the best few settings
+are replayed on the whole trace and the recommendation is picked among those.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from kvstore.tune import grid as G
+from kvstore.tune.recommend import CostModel, analyse, pick, ranked, setting
+from kvstore.tune.traces import Trace
+
+WORK_LIMIT = 4_000_000  # request replays a search may do on the whole trace before sampling
+MIN_SAMPLED_SESSIONS = 2000
+
+
+def choose(n_requests: int, n_sessions: int, n_full: int, n_staged: int, search: str = "auto",
+           sample: float | str = "auto", work_limit: int = WORK_LIMIT) -> tuple[str, float]:
+    """(search mode, sample rate) for a trace and grid."""
+    if search == "auto":
+        search = "full" if n_full * n_requests <= work_limit else "staged"
+    n_points = n_full if search == "full" else n_staged
+    if sample == "auto":
+        work = n_points * n_requests
+        rate = 1.0 if work <= work_limit else work_limit / work
+        if n_sessions:
+            rate = max(rate, min(1.0, MIN_SAMPLED_SESSIONS / n_sessions))
+        sample = 1.0 if rate > 0.5 else round(rate, 4)
+    return search, float(sample)
+
+
+def tune(trace: Trace, common: G.Common, axes: Sequence[Sequence], *, search: str = "auto",
+         sample: float | str = "auto", jobs: int = 1, cost: CostModel | None = None, tol_pp: float = 0.1,
+         confirm: int | None = None, work_limit: int = WORK_LIMIT,
+         progress: Callable[[str, int, int, int], None] | None = None) -> dict:
+    """Run the search; returns the grid, the recommendation and its analysis (see cli for the keys)."""
+    dram_gbs, dram_ttls, nvme_gbs, nvme_ttls = (list(a) for a in axes)
+    full = [(dc, dt, nc, nt) for dc in dram_gbs for dt in dram_ttls for nc in nvme_gbs for nt in nvme_ttls]
+    n_staged = len(dram_gbs) * len(dram_ttls) + len(nvme_gbs) * len(nvme_ttls)
+    search, rate = choose(len(trace), trace.n_sessions, len(full), n_staged, search, sample, work_limit)
+    screen = trace.sample_sessions(rate) if rate < 1 else trace
+    if not len(screen):
+        screen, rate = trace, 1.0
+    t0 = time.perf_counter()
+
+    def prog(stage):
+        return (lambda d, t, s: progress(stage, d, t, s)) if progress else None
+
+    with G.Evaluator(screen, common, axes, jobs=jobs, progress=prog("screen" if rate < 1 else "grid"),
+                     rate=rate) as ev:
+        if search == "full":
+            ev.evaluate(full)
+        else:
+            stage1 = [(dc, dt, nvme_gbs[-1], nvme_ttls[-1]) for dc in dram_gbs for dt in dram_ttls]
+            p1 = setting(pick(ev.evaluate(stage1), cost, tol_pp))
+            ev.evaluate([(p1[0], p1[1], nc, nt) for nc in nvme_gbs for nt in nvme_ttls])
+        points = list(ev.results.values())
+        simulated, reused = ev.simulated, ev.copied
+    t_screen = time.perf_counter() - t0
+    confirmed: list[dict] = []
+    rec_screen = pick(points, cost, tol_pp)
+    rec = rec_screen
+    if rate < 1:
+        k = confirm if confirm is not None else max(2, jobs)
+        cands = [setting(r) for r in ranked(points, cost, tol_pp, k)]
+        with G.Evaluator(trace, common, axes, jobs=jobs, progress=prog("confirm")) as ev2:
+            confirmed = ev2.evaluate(cands)
+        rec = pick(confirmed, cost, tol_pp)
+        rec_screen = next(r for r in points if setting(r) == setting(rec))
+    seconds = time.perf_counter() - t0
+    if cost is not None and cost.active:
+        for r in points + confirmed:
+            r["value"] = cost.value(r)
+            r["storage_cost"] = cost.storage_cost(r)
+    sims = [r for r in points + confirmed if r["simulated"]]
+    sim_s = sum(r["sim_seconds"] for r in sims)
+    sim_req = sum(r["sim_requests"] for r in sims)
+    return {
+        "search": search,
+        "sample_rate": rate,
+        "sampled_trace": screen.summary() if rate < 1 else None,
+        "recommended": rec,
+        "analysis": analyse(points, rec_screen, tol_pp),
+        "grid": points,
+        "confirmed": confirmed,
+        "timing": {"seconds": seconds, "screen_s": t_screen, "simulated": simulated, "reused": reused,
+                   "confirmed": len(confirmed), "jobs": jobs,
+                   "requests_per_s": sim_req / sim_s if sim_s > 0 else 0.0,
+                   "request_replays": sim_req},
+    }

@@ -1,0 +1,279 @@
+"""kvstore tune: the simulator against a real KVStore, the recommendation on traces of known
+structure, the outputs (YAML, JSON, PNG), TTL classes (ttl_shared_s), and a trace recorded by
+a real vLLM engine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.config import ConfigError, GiB, from_dict, load_config
+from kvstore.index import TierIndex
+from kvstore.policy import make_policy
+from kvstore.trace import TraceError
+from kvstore.tune import Simulator, from_records, load_trace, synth_records
+from kvstore.tune import grid as G
+from kvstore.tune.cli import main as tune_main
+from kvstore.tune.traces import write_records
+from kvstore.tune.tuner import choose, tune
+from kvstore.tune.verify import replay_store
+
+from conftest import FP, dram_gb, make_keys
+
+BB = 4096  # small blocks: one DRAM slot, one NVMe file page
+
+
+def cfg_blocks(dram_blocks, dram_ttl, nvme_blocks, nvme_ttl, policy="lru", shared=None, write_mode="write_back",
+               nvme_policy=None):
+    return from_dict({"tiers": {
+        "dram": {"capacity_gb": dram_blocks * BB / GiB, "ttl_s": dram_ttl, "ttl_shared_s": shared, "policy": policy,
+                 "pin_memory": False},
+        "nvme": {"capacity_gb": nvme_blocks * (BB + 4096) / GiB, "ttl_s": nvme_ttl, "ttl_shared_s": shared,
+                 "policy": nvme_policy or policy, "header": "inline", "io_threads": 1, "write_mode": write_mode}}})
+
+
+@pytest.fixture(scope="module")
+def mixed_trace():
+    """Sessions with agent-like and human-like pauses, a shared system prompt and retries."""
+    def think(r):
+        return float(r.uniform(5, 40)) if r.random() < 0.7 else float(r.uniform(60, 900))
+    return from_records(synth_records(sessions=50, turns=8, think=think, arrival_s=900, replay_prob=0.1,
+                                      system_blocks=3, seed=3))
+
+
+# -- the simulator is the store's accounting ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dram,dttl,nvme,nttl,policy,shared,mode", [
+    (48, 60, 200, 600, "lru", None, "write_back"),
+    (24, None, 80, None, "lru", None, "write_back"),
+    (40, 120, 120, 300, "lru_shared", 1200, "write_back"),
+    (16, None, 64, 900, "fifo", None, "write_through"),
+    (150, 30, 0, None, "lru", None, "write_back"),  # DRAM only
+    (0, None, 150, 120, "lru", None, "write_back"),  # NVMe only
+])
+def test_simulated_hit_rate_equals_the_real_store(mixed_trace, dram, dttl, nvme, nttl, policy, shared, mode, tmp_path):
+    cfg = cfg_blocks(dram, dttl, nvme, nttl, policy, shared, mode)
+    sim = Simulator.from_config(cfg, BB)
+    for r in mixed_trace.requests():
+        sim.request(*r)
+    a = sim.result()
+    b = replay_store(mixed_trace, cfg, BB, nvme_path=str(tmp_path))
+    assert 0.05 < b["hit_rate"] < 0.95  # a trace where the settings matter
+    assert abs(a["hit_rate"] - b["hit_rate"]) <= 0.01
+    for tier in ("dram", "nvme"):
+        assert abs(a["hit_rate_by_tier"][tier] - b["hit_rate_by_tier"][tier]) <= 0.01
+    # in fact identical, miss reasons included
+    assert a["hit_rate"] == pytest.approx(b["hit_rate"], abs=1e-12)
+    assert {k: v for k, v in a["misses_by_reason"].items() if v} == b["misses_by_reason"]
+    assert a["replay_hit_tokens"] == b["replay_hit_tokens"]
+
+
+def test_reused_grid_points_equal_their_own_replay(mixed_trace):
+    """A point copied from a smaller one (capacity or TTL never consulted) is what its replay gives."""
+    c = G.Common(block_bytes=BB)
+    gb = BB / GiB
+    axes = ([40 * gb, 400 * gb, 4000 * gb], [30, 600, None], [0.0, 400 * gb, 4000 * gb], [300, None])
+    pts = [(a, b, c_, d) for a in axes[0] for b in axes[1] for c_ in axes[2] for d in axes[3]]
+    with G.Evaluator(mixed_trace, c, axes, jobs=1) as ev:
+        got = ev.evaluate(pts)
+        assert ev.copied > 0
+    skip = {"sim_seconds", "simulated", "capacity_consulted", "ttl_consulted", "sim_requests"}
+    for s, r in zip(pts, got):
+        if r["simulated"]:
+            continue
+        direct = G.run_point(mixed_trace, s, c)
+        assert {k: v for k, v in r.items() if k not in skip} == {k: v for k, v in direct.items() if k not in skip}, s
+
+
+# -- recommendations on traces of known structure -----------------------------------------------
+
+
+def _tune(tmp_path, trace_recs, *args):
+    tp = tmp_path / "t.jsonl"
+    write_records(tp, trace_recs)
+    out, js = tmp_path / "rec.yaml", tmp_path / "res.json"
+    rc = tune_main(["--trace", str(tp), "--out", str(out), "--json", str(js), "--jobs", "2", "--quiet", *args])
+    assert rc == 0
+    return out, json.loads(js.read_text())
+
+
+def test_think_times_under_a_minute_need_a_one_minute_ttl(tmp_path, capsys):
+    recs = synth_records(sessions=120, turns=8, think=(10.0, 59.0), arrival_s=1800, seed=1, replay_prob=0.05)
+    out, res = _tune(tmp_path, recs, "--dram-gb", "2", "--nvme-gb", "20", "--dram-ttls", "30,60,2m,5m,1h,none",
+                     "--nvme-ttls", "10m,1h,none", "--plots", str(tmp_path / "plots"))
+    rec = res["recommended"]
+    assert rec["tiers"]["dram"]["ttl_s"] == 60  # the smallest TTL above every think time
+    assert rec["hit_rate_by_tier"]["dram"] == pytest.approx(rec["hit_rate"])  # all hits from DRAM
+    by_ttl = {p["tiers"]["dram"]["ttl_s"]: p for p in res["grid"]
+              if p["tiers"]["nvme"] == rec["tiers"]["nvme"] and
+              p["tiers"]["dram"]["capacity_gb"] == rec["tiers"]["dram"]["capacity_gb"]}
+    assert by_ttl[30]["hit_rate_by_tier"]["dram"] < rec["hit_rate_by_tier"]["dram"] - 0.05
+    assert by_ttl[None]["hit_rate"] == pytest.approx(rec["hit_rate"])
+    assert by_ttl[None]["bytes_held"]["dram"]["p50"] > rec["bytes_held"]["dram"]["p50"]
+    assert res["capacity_binding"] == {"dram": False, "nvme": False}
+    # the JSON: every grid point, with the fields the issue names
+    assert len(res["grid"]) == 3 * 6 * 3 * 3
+    p = res["grid"][0]
+    for k in ("tiers", "hit_rate", "hit_rate_by_tier", "saved_prefill_tokens", "replay_hit_tokens",
+              "genuine_hit_tokens", "bytes_held", "misses_by_reason"):
+        assert k in p
+    assert set(p["bytes_held"]["dram"]) >= {"p50", "p99", "max"}
+    assert rec["replay_hit_tokens"] > 0 and rec["genuine_hit_tokens"] > 0
+    # the YAML is a config the store and connector load
+    cfg = load_config(out, environ={})
+    assert cfg.tiers.dram.ttl_s == 60 and cfg.tiers.dram.capacity_gb == rec["tiers"]["dram"]["capacity_gb"]
+    assert cfg.tiers.nvme.ttl_s == rec["tiers"]["nvme"]["ttl_s"]
+    assert sorted(os.listdir(tmp_path / "plots")) == ["tune_dram.png", "tune_nvme.png"]
+    md = capsys.readouterr().out
+    assert "## Recommended" in md and "| **→** |" in md
+
+
+def test_a_budget_too_small_for_any_ttl_reports_capacity_binding(tmp_path):
+    recs = synth_records(sessions=120, turns=8, think=(10.0, 59.0), arrival_s=1800, seed=1)
+    # ~20 sessions active at a time, ~15 blocks of 2 MiB each: 100 blocks hold a third of it
+    _, res = _tune(tmp_path, recs, "--dram-gb", "0.2", "--nvme-gb", "0")
+    a = res["analysis"]["dram"]
+    assert res["capacity_binding"]["dram"] and a["binding_at_every_ttl"]
+    assert "too small for any TTL" in a["detail"]
+    assert res["recommended"]["evicted_for_capacity"]["dram"] > 0
+
+
+def test_cost_model_trades_dram_for_nvme(tmp_path):
+    recs = synth_records(sessions=120, turns=8, think=(10.0, 59.0), arrival_s=1800, seed=1)
+    args = ["--dram-gb", "2", "--nvme-gb", "20", "--dram-ttls", "30,60,none", "--nvme-ttls", "10m,none"]
+    _, free = _tune(tmp_path, recs, *args)
+    _, priced = _tune(tmp_path, recs, *args, "--gb-hour-price-dram", "100", "--gb-hour-price-nvme", "0.01",
+                      "--prefill-token-price", "0.001")
+    f, p = free["recommended"], priced["recommended"]
+    assert p["tiers"]["dram"]["ttl_s"] == 30 and f["tiers"]["dram"]["ttl_s"] == 60
+    assert p["bytes_held"]["dram"]["mean"] < f["bytes_held"]["dram"]["mean"]
+    assert p["hit_rate"] == pytest.approx(f["hit_rate"], abs=0.01)  # NVMe catches what DRAM drops
+    assert "value" in p and priced["cost_model"]["prefill_token_price"] == 0.001
+
+
+def test_sampled_screening_then_whole_trace(mixed_trace):
+    assert choose(1_000_000, 100_000, 504, 45) == ("staged", pytest.approx(0.0889, abs=1e-3))
+    assert choose(2000, 200, 504, 45) == ("full", 1.0)
+    sm = mixed_trace.sample_sessions(0.5)
+    assert 10 < sm.n_sessions < 40 and set(sm.session) <= set(mixed_trace.session)
+    gb = BB / GiB
+    axes = ([20 * gb, 80 * gb], [30, 300, None], [200 * gb], [600, None])
+    res = tune(mixed_trace, G.Common(block_bytes=BB), axes, sample=0.5, confirm=3, jobs=1)
+    assert res["sample_rate"] == 0.5 and len(res["confirmed"]) == 3
+    assert res["recommended"] in res["confirmed"] and res["recommended"]["sample_rate"] == 1.0
+
+
+# -- traces ------------------------------------------------------------------------------------
+
+
+def test_trace_loading(tmp_path):
+    a, b = "ab" * 16, "cd" * 16
+    lines = [
+        {"t": 5.0, "session": "x", "blocks": [a, b], "block_tokens": 16, "prompt_tokens": 40, "output_tokens": 3},
+        {"t": 1.0, "session": "y", "blocks": [a], "block_tokens": 16, "prompt_tokens": 20, "extra": [1, 2]},
+        {"t": 9.0, "session": "y", "blocks": [a, b], "block_tokens": 16, "prompt_tokens": 33, "output_tokens": 0},
+    ]
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    tr = load_trace(p)
+    assert tr.t == [1.0, 5.0, 9.0]  # time order (the connector writes at finish)
+    assert tr.replay == [False, False, True]  # same block list as an earlier request
+    assert tr.keys[1] == tr.keys[2] and tr.keys[0] == tr.keys[1][:1]
+    assert tr.n_sessions == 2 and tr.n_keys == 2
+    p.write_text(json.dumps(lines[0]) + "\n{\"t\": 1}\n")
+    with pytest.raises(TraceError, match="line 2"):
+        load_trace(p)
+    assert tune_main(["--trace", str(p), "--quiet"]) == 2
+
+
+# -- TTL classes: ttl_shared_s ------------------------------------------------------------------
+
+
+def test_index_ttl_shared_after_two_sessions():
+    ix = TierIndex(100, 10.0, make_policy("lru"), ttl_shared_s=100.0)
+    es = {}
+    for k in ("shared", "own"):
+        es[k], _ = ix.reserve(k, 10, 0.0)
+        ix.commit(es[k], 0.0)
+    ix.touch(es["shared"], 1.0, "a")
+    ix.touch(es["own"], 1.0, "a")
+    assert es["shared"].expire_at == 11.0
+    ix.touch(es["shared"], 2.0, "b")  # a second session: the shared class
+    ix.touch(es["own"], 2.0, "a")  # the same session again: not shared
+    assert es["shared"].shared and es["shared"].expire_at == 102.0
+    assert not es["own"].shared and es["own"].expire_at == 12.0
+    assert [e.key for e in ix.expire(50.0)] == ["own"]
+    ix.check()
+    plain = TierIndex(100, 10.0, make_policy("lru"))  # no TTL class: sessions are not tracked
+    e, _ = plain.reserve("k", 10, 0.0)
+    plain.commit(e, 0.0)
+    plain.touch(e, 1.0, "a")
+    plain.touch(e, 2.0, "b")
+    assert not e.shared and e.first_session is None and e.expire_at == 12.0
+
+
+def test_config_ttl_shared_s(tmp_path):
+    c = from_dict({})
+    assert c.tiers.dram.ttl_shared_s is None and c.tiers.nvme.ttl_shared_s is None
+    c = from_dict({"tiers": {"dram": {"ttl_s": 60, "ttl_shared_s": 3600}, "nvme": {"ttl_shared_s": None}}})
+    assert c.tiers.dram.ttl_shared_s == 3600.0
+    with pytest.raises(ConfigError) as ei:
+        from_dict({"tiers": {"nvme": {"ttl_shared_s": -1}}})
+    assert ei.value.key == "tiers.nvme.ttl_shared_s"
+    assert load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml"),
+                       environ={}).tiers.dram.ttl_shared_s is None
+
+
+def test_store_honors_ttl_shared(clock, tmp_path):
+    from kvstore.store import KVStore
+
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(16, BB), "ttl_s": 10, "ttl_shared_s": 1000,
+                                        "pin_memory": False},
+                               "nvme": {"capacity_gb": 0}}})
+    keys = make_keys(4, seed=5)
+    rows = np.zeros((4, BB), np.uint8)
+    with KVStore(cfg, block_bytes=BB, fingerprint=FP, clock=clock) as s:
+        assert s.dram.index.ttl_shared == 1000
+        s.put(keys, rows)
+        clock.advance(1)
+        assert s.get(keys[:2], rows, session="a") == 2  # the system prompt ...
+        assert s.get(keys, rows, session="b") == 4  # ... hit by a second session; its tail by one
+        clock.advance(50)
+        m = s.contains_prefix(keys)
+        assert m.num_blocks == 2 and m.miss_reason == "expired"
+
+
+# -- a trace recorded by a real vLLM engine -----------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_a_trace_recorded_by_vllm_can_be_tuned(tmp_path):
+    pytest.importorskip("vllm")
+    import test_vllm_connector as V  # noqa: E402  (sets the vLLM environment for this process)
+    from bench.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(str(tmp_path / "m"), hidden=256, layers=4, seed=0)
+    trace = tmp_path / "trace.jsonl"
+    turn1 = V.prompt(300, 70)
+    turn2 = turn1 + V.prompt(40, 71)
+    with V.Engine(model, str(tmp_path / "s"), extra={"trace_path": str(trace)}) as e:
+        for p in (turn1, turn2, V.prompt(200, 72)):
+            e.generate([p], max_tokens=8)
+        block_bytes = e.shared.store.block_bytes
+    recs = list(load_trace(trace).requests())
+    assert len(recs) == 3
+    js = tmp_path / "res.json"
+    rc = tune_main(["--trace", str(trace), "--block-bytes", str(block_bytes), "--dram-gb", "0.05", "--nvme-gb", "1",
+                    "--out", str(tmp_path / "rec.yaml"), "--json", str(js), "--quiet", "--jobs", "1"])
+    assert rc == 0
+    res = json.loads(js.read_text())
+    rec = res["recommended"]
+    # turn 2 extends turn 1: its first 9 blocks (of 32 tokens) are genuine prefix reuse
+    assert rec["saved_prefill_tokens"] == 9 * 32 and rec["genuine_hit_tokens"] == 9 * 32
+    assert rec["hit_rate"] == pytest.approx(288 / (300 + 340 + 200))
+    assert rec["misses_by_reason"]["never_stored"] == (9 + 6) * 32 and rec["misses_by_reason"]["diverged"] == 32
+    assert load_config(tmp_path / "rec.yaml", environ={}).tiers.dram.capacity_gb > 0
