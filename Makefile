@@ -35,7 +35,9 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/kvstore bench tiers --plots out/plots --json out/bench_tiers.json
+	$(VENV)/bin/kvstore bench tiers --config configs/bench_tiers.yaml --json out/bench_tiers.json --plots out/plots
+	$(VENV)/bin/kvstore bench agent --config configs/bench_agent.yaml --json out/bench_agent.json --plots out/plots \
+		--trace-out out/agent_trace.jsonl
 
 clean:
 	rm -rf build $(VENV) out

@@ -58,3 +58,73 @@ def odirect_gbps(folder: str, nbytes: int, chunk: int = 4 << 20, repeats: int = 
         os.unlink(path)
     total = nchunks * chunk
     return total / statistics.median(wt) / 1e9, total / statistics.median(rt) / 1e9, direct
+
+
+def _split(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into ``parts`` interleaved stripes (what the bench's callers do)."""
+    parts = max(1, min(parts, n)) if n else 1
+    return [range(i, n, parts) for i in range(parts)]
+
+
+def _parallel(fn, stripes: list[range]) -> float:
+    """Run ``fn(stripe)`` on one thread per stripe; wall seconds."""
+    import threading
+
+    if len(stripes) == 1:
+        t = time.perf_counter()
+        fn(stripes[0])
+        return time.perf_counter() - t
+    ths = [threading.Thread(target=fn, args=(s,)) for s in stripes]
+    t = time.perf_counter()
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    return time.perf_counter() - t
+
+
+def memcpy_rows_s(src: np.ndarray, dst: np.ndarray, threads: int = 1) -> float:
+    """Seconds to copy every row ``src[i] -> dst[i]`` (one block per copy, as a store does),
+    from ``threads`` threads (numpy releases the GIL while copying). Both pre-faulted by the caller."""
+    def work(rows):
+        for i in rows:
+            np.copyto(dst[i], src[i])
+
+    return _parallel(work, _split(len(src), threads))
+
+
+def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1) -> tuple[float, float, bool]:
+    """O_DIRECT write then read of the same rows (one block per I/O) at queue depth ``qd``
+    (``qd`` threads, interleaved rows of one fresh file). Rows must be page aligned and a multiple
+    of 4 KiB for O_DIRECT; otherwise buffered I/O with an fsync. Returns (write s, read s, direct)."""
+    n, bb = src.shape
+    path = os.path.join(folder, f".kvstore-limit-rows-{os.getpid()}-{time.perf_counter_ns()}")
+    direct = bool(_O_DIRECT) and bb % 4096 == 0 and src.ctypes.data % 4096 == 0 and dst.ctypes.data % 4096 == 0
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR | (_O_DIRECT if direct else 0), 0o600)
+    except OSError:
+        direct = False
+        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+    try:
+        def w(rows):
+            for i in rows:
+                os.pwrite(fd, src[i], i * bb)
+
+        stripes = _split(n, qd)
+        t = time.perf_counter()
+        _parallel(w, stripes)
+        if not direct:
+            os.fsync(fd)
+        wt = time.perf_counter() - t
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+
+        def r(rows):
+            for i in rows:
+                os.preadv(fd, [dst[i]], i * bb)
+
+        rt = _parallel(r, stripes)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return wt, rt, direct

@@ -1,9 +1,20 @@
 """``kvstore bench tiers``: store/load GB/s and latency per tier, beside the machine's limits.
 
-DRAM put/get are compared with a one-thread memcpy of the same bytes; NVMe put/get with an
-O_DIRECT sequential write/read of a file of the same size, both measured in the same run.
-The default block is shaped like a 7B-class model: 32 layers, 8 KV heads, head size 128,
-fp16, 16 tokens a block (2 MiB across layers).
+Every figure is printed beside a limit measured in the same run, on the same bytes, right
+before it (so a busy machine slows both sides of the ratio alike):
+
+* DRAM put/get: a memcpy of the same blocks, one block per copy, from as many threads as the
+  bench has callers (numpy releases the GIL while it copies), or from one thread when that is
+  faster (more threads than cores);
+* NVMe put/get: the better of an O_DIRECT sequential write/read in 4 MiB chunks at queue depth 1
+  (what ``dd oflag=direct bs=4M`` does) and an O_DIRECT write/read of the same blocks, one block
+  per I/O, at the store's I/O parallelism (``--io-threads``; the store writes one file per block
+  from that many threads, which a virtual disk serves faster than queue depth 1).
+
+The default block is shaped like a 7B-class model: 32 layers, 8 KV heads, head size 128, fp16,
+so 16 / 32 / 128 tokens are 2 / 4 / 16 MiB. Latency is per put/get call of ``--batch`` blocks.
+``--codecs`` measures the tiers with a codec (GB/s of uncompressed bytes); a codec the store does
+not implement yet is listed as skipped. Options can come from a YAML (``--config``).
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import time
 
 import numpy as np
 
-from bench.limits import memcpy_gbps, odirect_gbps
+from bench.limits import memcpy_gbps, memcpy_rows_s, odirect_gbps, odirect_rows_s
 from bench.report import markdown_table, progress, write_json
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
@@ -26,58 +37,97 @@ from kvstore.store import KVStore
 GiB = 1 << 30
 
 
+DEFAULTS = {
+    "total_mb": 512, "block_tokens": "16,32,128", "layers": 32, "kv_heads": 8, "head_size": 128, "dtype_bytes": 2,
+    "batch": 32, "concurrency": "1,4", "io_threads": 4, "repeats": 3, "tiers": "dram,nvme", "codecs": "none",
+    "dir": None, "o_direct": "auto", "json": None, "plots": None,
+}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--total-mb", type=int, default=1024, help="bytes moved per measurement (MiB)")
-    p.add_argument("--block-tokens", default="16", help="comma list of tokens per block, e.g. 16,32,128")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--dtype-bytes", type=int, default=2, help="2 = fp16/bf16, 1 = fp8/int8")
-    p.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
-    p.add_argument("--concurrency", default="1", help="comma list of caller threads, e.g. 1,4")
-    p.add_argument("--io-threads", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--tiers", default="dram,nvme")
+    d = DEFAULTS
+    p.add_argument("--config", default=None, help="YAML of any of these options (keys as the flags, with _), "
+                   "e.g. configs/bench_tiers.yaml; flags win")
+    p.add_argument("--total-mb", type=int, default=None, help=f"bytes moved per measurement, MiB ({d['total_mb']})")
+    p.add_argument("--block-tokens", default=None, help=f"comma list of tokens per block ({d['block_tokens']})")
+    p.add_argument("--layers", type=int, default=None, help=f"({d['layers']})")
+    p.add_argument("--kv-heads", type=int, default=None, help=f"({d['kv_heads']})")
+    p.add_argument("--head-size", type=int, default=None, help=f"({d['head_size']})")
+    p.add_argument("--dtype-bytes", type=int, default=None, help="2 = fp16/bf16, 1 = fp8/int8 (2)")
+    p.add_argument("--batch", type=int, default=None, help=f"blocks per put/get call ({d['batch']})")
+    p.add_argument("--concurrency", default=None, help=f"comma list of caller threads ({d['concurrency']})")
+    p.add_argument("--io-threads", type=int, default=None, help=f"NVMe I/O threads ({d['io_threads']})")
+    p.add_argument("--repeats", type=int, default=None, help=f"({d['repeats']})")
+    p.add_argument("--tiers", default=None, help=f"({d['tiers']})")
+    p.add_argument("--codecs", default=None, help="comma list of tier codecs to measure (none | int8 | fp8 | "
+                   "...+zstd); a codec the store does not implement yet is reported as such (none)")
     p.add_argument("--dir", default=None, help="folder for the NVMe tier (default: a temp folder)")
-    p.add_argument("--o-direct", default="auto", choices=["auto", "true", "false"])
+    p.add_argument("--o-direct", default=None, choices=["auto", "true", "false"])
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
+
+
+def resolve(a: argparse.Namespace) -> argparse.Namespace:
+    """flags > YAML (--config) > DEFAULTS."""
+    import yaml
+
+    y = {}
+    if getattr(a, "config", None):
+        with open(a.config) as f:
+            y = yaml.safe_load(f) or {}
+        bad = set(y) - set(DEFAULTS)
+        if bad:
+            raise SystemExit(f"{a.config}: unknown keys {sorted(bad)}; known: {sorted(DEFAULTS)}")
+    out = argparse.Namespace(**vars(a))
+    for k, v in DEFAULTS.items():
+        if getattr(out, k, None) is None:
+            val = y.get(k, v)
+            if isinstance(val, list):
+                val = ",".join(str(x) for x in val)
+            setattr(out, k, val)
+    return out
 
 
 def _block_bytes(a, block_tokens: int) -> int:
     return 2 * a.layers * a.kv_heads * a.head_size * a.dtype_bytes * block_tokens
 
 
-def _make_store(tier: str, n_blocks: int, block_bytes: int, folder: str, a, tokens: int) -> KVStore:
+def _make_store(tier: str, n_blocks: int, block_bytes: int, folder: str, a, tokens: int, codec: str) -> KVStore:
     slot = (block_bytes + 4095) // 4096 * 4096
     if tier == "dram":
-        tiers = {"dram": {"capacity_gb": (n_blocks * slot + (1 << 20)) / GiB, "ttl_s": None},
+        tiers = {"dram": {"capacity_gb": (n_blocks * slot + (1 << 20)) / GiB, "ttl_s": None, "codec": codec},
                  "nvme": {"capacity_gb": 0}}
     else:
         tiers = {"dram": {"capacity_gb": 0},
                  "nvme": {"capacity_gb": (n_blocks * (slot + 4096) * 2) / GiB, "ttl_s": None, "path": folder,
                           "o_direct": {"auto": "auto", "true": True, "false": False}[a.o_direct],
-                          "io_threads": a.io_threads}}
+                          "io_threads": a.io_threads, "codec": codec}}
     cfg = from_dict({"tiers": tiers})
-    fp = ModelFingerprint(model=f"bench-{tier}-{time.perf_counter_ns()}", block_size=tokens)
+    dtype = {2: "float16", 4: "float32"}.get(a.dtype_bytes, "uint8")  # what a codec needs to know
+    fp = ModelFingerprint(model=f"bench-{tier}-{time.perf_counter_ns()}", dtype=dtype, block_size=tokens,
+                          num_layers=a.layers, num_kv_heads=a.kv_heads, head_size=a.head_size, codec=codec)
     return KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=tokens)
 
 
-def _run_op(fn, keys: list[bytes], rows: np.ndarray, batch: int, threads: int) -> tuple[float, list[float]]:
-    """Call fn(keys[i:i+batch], rows[i:i+batch]) over all keys from ``threads`` callers."""
+def _run_op(fn, keys: list[bytes], rows: np.ndarray, batch: int, threads: int,
+            counted: list[int] | None = None) -> tuple[float, list[float]]:
+    """Call fn(keys[i:i+batch], rows[i:i+batch]) over all keys from ``threads`` callers
+    (the sum of fn's results is appended to ``counted``)."""
     starts = list(range(0, len(keys), batch))
     per = [starts[t::threads] for t in range(threads)]
     lat: list[float] = []
+    total = [0]
     lock = threading.Lock()
 
     def worker(my):
-        mine = []
+        mine, got = [], 0
         for s in my:
             t = time.perf_counter()
-            fn(keys[s:s + batch], rows[s:s + batch])
+            got += int(fn(keys[s:s + batch], rows[s:s + batch]) or 0)
             mine.append(time.perf_counter() - t)
         with lock:
             lat.extend(mine)
+            total[0] += got
 
     ths = [threading.Thread(target=worker, args=(p,)) for p in per]
     t0 = time.perf_counter()
@@ -85,6 +135,8 @@ def _run_op(fn, keys: list[bytes], rows: np.ndarray, batch: int, threads: int) -
         t.start()
     for t in ths:
         t.join()
+    if counted is not None:
+        counted.append(total[0])
     return time.perf_counter() - t0, lat
 
 
@@ -93,17 +145,46 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else 0.0
 
 
+def _fill(src: np.ndarray) -> None:
+    """KV-like content: fp16 values ~ N(0, 1) (what a codec would see), block index in the first bytes."""
+    n, bb = src.shape
+    rng = np.random.default_rng(0)
+    one = rng.standard_normal(bb // 2).astype(np.float16).view(np.uint8)
+    src[:, : one.size] = one[None, :]
+    src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
+
+
+def nbytes_gb(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _verify(out: np.ndarray, src: np.ndarray, codec: str) -> bool | None:
+    """True: bytes identical. None: a lossy codec, values within its error bound. False: wrong."""
+    if np.array_equal(out, src):
+        return True
+    if codec.split("+")[0] not in ("int8", "fp8"):
+        return False
+    a = src.view(np.float16)[:, 4:].astype(np.float32)  # past the 8-byte block index
+    b = out.view(np.float16)[:, 4:].astype(np.float32)
+    ok = np.abs(a - b) <= 0.15 * np.abs(a) + 0.05 * float(np.abs(a).max())
+    return None if bool(ok.all()) else False
+
+
 def run(a: argparse.Namespace) -> dict:
+    a = resolve(a)
     block_tokens = [int(x) for x in str(a.block_tokens).split(",") if x]
     concurrency = [int(x) for x in str(a.concurrency).split(",") if x]
-    tiers = [t for t in a.tiers.split(",") if t]
+    tiers = [t for t in str(a.tiers).split(",") if t]
+    codecs = [c for c in str(a.codecs).split(",") if c]
     total = a.total_mb << 20
     folder_ctx = tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=a.dir)
     folder = folder_ctx.name
     results: list[dict] = []
-    n_steps = len(block_tokens) * len(concurrency) * len(tiers) * a.repeats + 2
+    skipped: list[dict] = []
+    n_steps = len(block_tokens) * (len(concurrency) * len(tiers) * len(codecs) * a.repeats) + 2
     bar, task = progress(n_steps, "bench tiers")
     with bar:
+        # the dd-style reference limits (one big buffer; DESIGN.md section 6), for the header
         mem = memcpy_gbps(total)
         bar.advance(task)
         dw, dr, direct = odirect_gbps(folder, total)
@@ -112,44 +193,28 @@ def run(a: argparse.Namespace) -> dict:
         for bt in block_tokens:
             bb = _block_bytes(a, bt)
             n = max(a.batch, total // bb)
-            _, flat = alloc_aligned(n * bb)
+            _m1, flat = alloc_aligned(n * bb)
             src = flat.reshape(n, bb)
-            src[:] = np.arange(bb, dtype=np.uint64).astype(np.uint8)[None, :]
-            src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
-            _, oflat = alloc_aligned(n * bb)
+            _fill(src)
+            _m2, oflat = alloc_aligned(n * bb)
             out = oflat.reshape(n, bb)
             for tier in tiers:
-                for c in concurrency:
-                    put_t, get_t, put_l, get_l, ok = [], [], [], [], True
-                    for r in range(a.repeats):
-                        store = _make_store(tier, n, bb, folder, a, bt)
-                        keys = chain_keys(store.root, np.arange(n * bt) % 50000 + r, bt)
-                        try:
-                            t, lat = _run_op(store.put, keys, src, a.batch, c)
-                            put_t.append(t)
-                            put_l += lat
-                            out[:] = 0
-                            t, lat = _run_op(store.get, keys, out, a.batch, c)
-                            get_t.append(t)
-                            get_l += lat
-                            ok = ok and bool(np.array_equal(out, src))
-                        finally:
-                            store.close(persist=False)
-                        bar.advance(task)
-                    for op, ts, lat in (("put", put_t, put_l), ("get", get_t, get_l)):
-                        gbps = n * bb / statistics.median(ts) / 1e9
-                        if tier == "dram":
-                            limit, limit_name = mem, "memcpy"
+                for codec in codecs:
+                    for c in concurrency:
+                        row = _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task)
+                        if "error" in row:
+                            skipped.append(row)
                         else:
-                            limit, limit_name = (dw, "odirect_write") if op == "put" else (dr, "odirect_read")
-                        results.append({"tier": tier, "op": op, "block_tokens": bt, "block_bytes": bb,
-                                        "concurrency": c, "gbps": gbps, "limit": limit_name, "limit_gbps": limit,
-                                        "ratio": gbps / limit, "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
-                                        "verified": ok})
+                            results.extend(row["rows"])
+            del src, out, flat, oflat
+            _m1.close()
+            _m2.close()
     folder_ctx.cleanup()
-    data = {"limits": limits, "results": results,
+    data = {"limits": limits, "results": results, "skipped": skipped,
             "params": {"total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
-                       "dtype_bytes": a.dtype_bytes, "batch": a.batch, "repeats": a.repeats}}
+                       "dtype_bytes": a.dtype_bytes, "batch": a.batch, "repeats": a.repeats,
+                       "io_threads": a.io_threads, "block_tokens": block_tokens, "concurrency": concurrency,
+                       "codecs": codecs}}
     print(render(data))
     write_json(a.json, data)
     if a.plots:
@@ -157,16 +222,103 @@ def run(a: argparse.Namespace) -> dict:
     return data
 
 
+def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
+    """``repeats`` rounds of (limit, store put, limit, store get) back to back, so a busy machine
+    slows both sides of each ratio alike. DRAM limit: one-thread-per-caller memcpy of the same
+    rows, one block per copy. NVMe limit: the better of a dd-style O_DIRECT sequential write/read
+    (4 MiB, queue depth 1) and an O_DIRECT write/read of the same rows, one block per I/O, at the
+    store's I/O parallelism (``io_threads``)."""
+    put_t, get_t, put_l, get_l, lim = [], [], [], [], {"put": [], "get": [], "put_seq": [], "get_seq": []}
+    ok: bool | None = True
+    direct = None
+    got: list[int] = []  # blocks get() returned, per repeat
+    for r in range(a.repeats):
+        if tier == "dram":
+            lim["put"].append(memcpy_rows_s(src, out, c))
+            lim["get"].append(memcpy_rows_s(src, out, c))
+            if c > 1:  # more threads than cores can copy slower than one: the limit is the better
+                lim["put_seq"].append(nbytes_gb(n * bb, memcpy_rows_s(src, out, 1)))
+                lim["get_seq"].append(nbytes_gb(n * bb, memcpy_rows_s(src, out, 1)))
+        else:
+            w, rd, direct = odirect_rows_s(folder, src, out, a.io_threads)
+            lim["put"].append(w)
+            lim["get"].append(rd)
+            sw, sr, _ = odirect_gbps(folder, n * bb, repeats=1)  # GB/s
+            lim["put_seq"].append(sw)
+            lim["get_seq"].append(sr)
+        try:
+            store = _make_store(tier, n, bb, folder, a, bt, codec)
+        except Exception as e:  # e.g. a codec the store does not implement yet
+            bar.advance(task, a.repeats - r)
+            return {"tier": tier, "codec": codec, "block_tokens": bt, "concurrency": c,
+                    "error": f"{type(e).__name__}: {e}"}
+        keys = chain_keys(store.root, np.arange(n * bt) % 50000 + r, bt)
+        try:
+            t, lat = _run_op(store.put, keys, src, a.batch, c)
+            put_t.append(t)
+            put_l += lat
+            out[:] = 0
+            t, lat = _run_op(store.get, keys, out, a.batch, c, got)
+            get_t.append(t)
+            get_l += lat
+            v = _verify(out, src, codec) if got[-1] == n else False
+            ok = False if (ok is False or v is False) else (None if (ok is None or v is None) else True)
+        except Exception as e:
+            bar.advance(task, a.repeats - r)
+            return {"tier": tier, "codec": codec, "block_tokens": bt, "concurrency": c,
+                    "error": f"{type(e).__name__}: {e}"}
+        finally:
+            store.close(persist=False)
+        bar.advance(task)
+    rows = []
+    nbytes = n * bb
+    for op, ts, lat in (("put", put_t, put_l), ("get", get_t, get_l)):
+        gbps = nbytes / statistics.median(ts) / 1e9
+        if tier == "dram":
+            limit, name = nbytes / statistics.median(lim[op]) / 1e9, f"memcpy x{c}"
+            if lim[op + "_seq"] and statistics.median(lim[op + "_seq"]) > limit:
+                limit, name = statistics.median(lim[op + "_seq"]), "memcpy x1"
+        else:
+            per_block = nbytes / statistics.median(lim[op]) / 1e9
+            seq = statistics.median(lim[op + "_seq"])
+            kind = "write" if op == "put" else "read"
+            if per_block >= seq:
+                limit, name = per_block, f"{'O_DIRECT' if direct else 'fsync'} {kind} x{a.io_threads}"
+            else:
+                limit, name = seq, f"{'O_DIRECT' if direct else 'fsync'} {kind} seq 4M"
+        rows.append({"tier": tier, "op": op, "codec": codec, "block_tokens": bt, "block_bytes": bb, "concurrency": c,
+                     "gbps": gbps, "limit": name, "limit_gbps": limit, "ratio": gbps / limit,
+                     "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "verified": ok,
+                     "blocks": n, "get_returned_min": min(got) if got else None,
+                     "gbps_runs": [nbytes / t / 1e9 for t in ts],
+                     "limit_runs": [nbytes / t / 1e9 for t in lim[op]], "limit_alt_runs": lim.get(op + "_seq")})  # seq 4M (NVMe) or x1 (DRAM)
+    return {"rows": rows}
+
+
 def render(data: dict) -> str:
     L = data["limits"]
-    head = (f"Limits measured in this run: memcpy {L['memcpy_gbps']:.2f} GB/s; "
+    head = (f"Reference limits (one 2-buffer copy / dd-style file, whole run size): memcpy {L['memcpy_gbps']:.2f} GB/s; "
             f"{'O_DIRECT' if L['o_direct'] else 'buffered+fsync'} sequential write {L['odirect_write_gbps']:.2f} GB/s, "
-            f"read {L['odirect_read_gbps']:.2f} GB/s\n")
-    cols = ["tier", "op", "block_tokens", "block_bytes", "concurrency", "gbps", "limit", "limit_gbps", "ratio",
-            "p50_ms", "p99_ms", "verified"]
-    return head + "\n" + markdown_table(data["results"], cols,
-                                        ["tier", "op", "tokens/blk", "bytes/blk", "threads", "GB/s", "limit",
-                                         "limit GB/s", "ratio", "p50 ms", "p99 ms", "ok"])
+            f"read {L['odirect_read_gbps']:.2f} GB/s. Each row's own limit (same bytes, measured beside it) is in "
+            f"its 'limit' columns; latency is per call of {data['params']['batch']} blocks.\n")
+    rows = [{**r, "mib": r["block_bytes"] / 2**20,
+             "ok": {True: "yes", False: "NO", None: "lossy, in bound"}[r["verified"]]
+             + ("" if r.get("get_returned_min") in (None, r.get("blocks")) else
+                f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in data["results"]]
+    cols = ["tier", "op", "codec", "block_tokens", "mib", "concurrency", "gbps", "limit", "limit_gbps", "ratio",
+            "p50_ms", "p99_ms", "ok"]
+    out = head + "\n" + markdown_table(rows, cols, ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s",
+                                                    "limit", "limit GB/s", "ratio", "p50 ms", "p99 ms", "bytes ok"])
+    if data.get("skipped"):
+        seen = set()
+        notes = []
+        for s in data["skipped"]:
+            k = (s["tier"], s["codec"])
+            if k not in seen:
+                seen.add(k)
+                notes.append(f"- {s['tier']} codec {s['codec']}: not measured ({s['error']})")
+        out += "\n\nSkipped:\n" + "\n".join(notes)
+    return out
 
 
 def plot(data: dict, folder: str) -> list[str]:
@@ -178,23 +330,53 @@ def plot(data: dict, folder: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(folder, exist_ok=True)
-    rows = data["results"]
-    labels = [f"{r['tier']} {r['op']}\n{r['block_tokens']}t x{r['concurrency']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, label="kvstore GB/s")
-    ax.bar(x + 0.2, [r["limit_gbps"] for r in rows], 0.4, label="limit GB/s (same run)")
-    for i, r in enumerate(rows):
-        ax.text(i, max(r["gbps"], r["limit_gbps"]), f"{r['ratio']:.0%}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("GB/s")
-    ax.set_title("kvstore tiers vs. machine limits")
-    ax.legend()
+    paths = []
+    tiers = [t for t in ("dram", "nvme") if any(r["tier"] == t for r in data["results"])]
+    if not tiers:
+        return paths
+    fig, axes = plt.subplots(len(tiers), 1, figsize=(11, 3.6 * len(tiers)), squeeze=False)
+    for ax, tier in zip(axes[:, 0], tiers):
+        rows = [r for r in data["results"] if r["tier"] == tier]
+        labels = [f"{r['op']} {r['block_tokens']}t x{r['concurrency']}"
+                  + ("" if r["codec"] == "none" else f"\n{r['codec']}") for r in rows]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, label="kvstore GB/s")
+        ax.bar(x + 0.2, [r["limit_gbps"] for r in rows], 0.4, label="limit GB/s (same bytes, same run)")
+        for i, r in enumerate(rows):
+            ax.text(i, max(r["gbps"], r["limit_gbps"]), f"{r['ratio']:.0%}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{tier.upper()} tier vs. its limit (ratio above the bars)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path = os.path.join(folder, "tiers_gbps.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [path]
+    paths.append(path)
+    fig, axes = plt.subplots(1, len(tiers), figsize=(6 * len(tiers), 4), squeeze=False)
+    for ax, tier in zip(axes[0], tiers):
+        for op in ("put", "get"):
+            for c in sorted({r["concurrency"] for r in data["results"]}):
+                rows = sorted([r for r in data["results"] if r["tier"] == tier and r["op"] == op
+                               and r["concurrency"] == c and r["codec"] == "none"], key=lambda r: r["block_tokens"])
+                if not rows:
+                    continue
+                xs = [r["block_tokens"] for r in rows]
+                line, = ax.plot(xs, [r["p50_ms"] for r in rows], "-o", label=f"{op} x{c} p50")
+                ax.plot(xs, [r["p99_ms"] for r in rows], "--", color=line.get_color(), alpha=0.7,
+                        label=f"{op} x{c} p99")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per block")
+        ax.set_ylabel(f"ms per call ({data['params']['batch']} blocks)")
+        ax.set_title(f"{tier.upper()} latency")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(folder, "tiers_latency.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
 
 
 def main(argv=None) -> dict:
