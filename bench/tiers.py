@@ -14,7 +14,13 @@ before it (so a busy machine slows both sides of the ratio alike):
 The default block is shaped like a 7B-class model: 32 layers, 8 KV heads, head size 128, fp16,
 so 16 / 32 / 128 tokens are 2 / 4 / 16 MiB. Latency is per put/get call of ``--batch`` blocks.
 ``--codecs`` measures the tiers with a codec (GB/s of uncompressed bytes); a codec the store does
-not implement yet is listed as skipped. Options can come from a YAML (``--config``).
+not implement yet is listed as skipped. Each row also gives the compression ratio (raw bytes / bytes
+the tier accounts for the blocks, which are the files' real sizes, cross-checked against the files on
+disk) and the capacity gain (blocks per GB vs codec none on the same tier). A codec's ratio depends on
+the bytes, so ``--kv-data`` picks KV-like contents (``bench/kvdata.py``): ``tiny-llama`` (KV captured
+from the tiny random-weight Llama; the default when a codec other than none is measured) or
+``synthetic`` (normal values with per-head scales; the default otherwise). Options can come from a
+YAML (``--config``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import time
 
 import numpy as np
 
+from bench.kvdata import KINDS
+from bench.kvdata import fill as fill_kv
 from bench.limits import memcpy_gbps, memcpy_rows_s, odirect_gbps, odirect_rows_s
 from bench.report import markdown_table, progress, write_json
 from kvstore.config import from_dict
@@ -40,7 +48,7 @@ GiB = 1 << 30
 DEFAULTS = {
     "total_mb": 512, "block_tokens": "16,32,128", "layers": 32, "kv_heads": 8, "head_size": 128, "dtype_bytes": 2,
     "batch": 32, "concurrency": "1,4", "io_threads": 4, "repeats": 3, "tiers": "dram,nvme", "codecs": "none",
-    "dir": None, "o_direct": "auto", "json": None, "plots": None,
+    "dir": None, "o_direct": "auto", "json": None, "plots": None, "kv_data": "auto",
 }
 
 
@@ -61,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default=None, help=f"({d['tiers']})")
     p.add_argument("--codecs", default=None, help="comma list of tier codecs to measure (none | int8 | fp8 | "
                    "...+zstd); a codec the store does not implement yet is reported as such (none)")
+    p.add_argument("--kv-data", default=None, choices=["auto", *KINDS],
+                   help="block contents: KV captured from the tiny random-weight Llama, or synthetic normal KV with "
+                   "per-head scales (auto: tiny-llama when a codec other than none is measured)")
     p.add_argument("--dir", default=None, help="folder for the NVMe tier (default: a temp folder)")
     p.add_argument("--o-direct", default=None, choices=["auto", "true", "false"])
     p.add_argument("--json", default=None, help="write results as JSON here")
@@ -145,13 +156,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else 0.0
 
 
-def _fill(src: np.ndarray) -> None:
-    """KV-like content: fp16 values ~ N(0, 1) (what a codec would see), block index in the first bytes."""
+def _fill(src: np.ndarray, a, tokens: int) -> str:
+    """KV-like content (what a codec would see, see bench/kvdata.py), block index in the first bytes
+    (so a block served under another's key is seen). Returns what the data is."""
     n, bb = src.shape
-    rng = np.random.default_rng(0)
-    one = rng.standard_normal(bb // 2).astype(np.float16).view(np.uint8)
-    src[:, : one.size] = one[None, :]
+    dtype = {2: "float16", 4: "float32"}.get(a.dtype_bytes)
+    if dtype is None:  # 1-byte elements: no codec quantizes them further
+        src[:] = np.random.default_rng(0).integers(0, 256, size=bb, dtype=np.uint8)[None, :]
+        what = "uint8 noise (--dtype-bytes 1)"
+    else:
+        what = fill_kv(src, a.kv_data, layers=a.layers, tokens=tokens, kv_heads=a.kv_heads, head_size=a.head_size,
+                       dtype=dtype)
     src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
+    return what
 
 
 def nbytes_gb(nbytes: int, seconds: float) -> float:
@@ -176,6 +193,9 @@ def run(a: argparse.Namespace) -> dict:
     concurrency = [int(x) for x in str(a.concurrency).split(",") if x]
     tiers = [t for t in str(a.tiers).split(",") if t]
     codecs = [c for c in str(a.codecs).split(",") if c]
+    if a.kv_data == "auto":
+        a.kv_data = "tiny-llama" if any(c != "none" for c in codecs) else "synthetic"
+    data_notes: list[str] = []
     total = a.total_mb << 20
     folder_ctx = tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=a.dir)
     folder = folder_ctx.name
@@ -195,7 +215,9 @@ def run(a: argparse.Namespace) -> dict:
             n = max(a.batch, total // bb)
             _m1, flat = alloc_aligned(n * bb)
             src = flat.reshape(n, bb)
-            _fill(src)
+            what = _fill(src, a, bt)
+            if what not in data_notes:
+                data_notes.append(what)
             _m2, oflat = alloc_aligned(n * bb)
             out = oflat.reshape(n, bb)
             for tier in tiers:
@@ -210,8 +232,8 @@ def run(a: argparse.Namespace) -> dict:
             _m1.close()
             _m2.close()
     folder_ctx.cleanup()
-    data = {"limits": limits, "results": results, "skipped": skipped,
-            "params": {"total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
+    data = {"limits": limits, "results": results, "skipped": skipped, "kv_data": data_notes,
+            "params": {"kv_data": a.kv_data, "total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
                        "dtype_bytes": a.dtype_bytes, "batch": a.batch, "repeats": a.repeats,
                        "io_threads": a.io_threads, "block_tokens": block_tokens, "concurrency": concurrency,
                        "codecs": codecs}}
@@ -232,6 +254,9 @@ def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
     ok: bool | None = True
     direct = None
     got: list[int] = []  # blocks get() returned, per repeat
+    stored: list[int] = []  # bytes the tier accounts for the n blocks after the put (its files' real sizes)
+    on_disk: list[int] = []  # the same, summed over the block files' sizes (NVMe)
+    none_bytes = 0  # what one block takes in this tier with codec none
     for r in range(a.repeats):
         if tier == "dram":
             lim["put"].append(memcpy_rows_s(src, out, c))
@@ -257,6 +282,13 @@ def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
             t, lat = _run_op(store.put, keys, src, a.batch, c)
             put_t.append(t)
             put_l += lat
+            tier_obj = store.dram if tier == "dram" else store.nvme
+            stored.append(tier_obj.index.used)
+            if tier == "nvme":
+                none_bytes = tier_obj.file_bytes_for(bb)
+                on_disk.append(_files_bytes(tier_obj.root))
+            else:
+                none_bytes = tier_obj.index.used // max(1, len(tier_obj.index.entries))
             out[:] = 0
             t, lat = _run_op(store.get, keys, out, a.batch, c, got)
             get_t.append(t)
@@ -272,6 +304,11 @@ def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
         bar.advance(task)
     rows = []
     nbytes = n * bb
+    used = statistics.median(stored) if stored else 0
+    comp = {"stored_bytes": int(used), "disk_bytes": int(statistics.median(on_disk)) if on_disk else None,
+            "comp_ratio": nbytes / used if used else None,
+            "capacity_gain": none_bytes * n / used if used and none_bytes else None,
+            "blocks_per_gb": n / used * 1e9 if used else None}
     for op, ts, lat in (("put", put_t, put_l), ("get", get_t, get_l)):
         gbps = nbytes / statistics.median(ts) / 1e9
         if tier == "dram":
@@ -288,11 +325,23 @@ def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
                 limit, name = seq, f"{'O_DIRECT' if direct else 'fsync'} {kind} seq 4M"
         rows.append({"tier": tier, "op": op, "codec": codec, "block_tokens": bt, "block_bytes": bb, "concurrency": c,
                      "gbps": gbps, "limit": name, "limit_gbps": limit, "ratio": gbps / limit,
-                     "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "verified": ok,
+                     "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "verified": ok, **comp,
                      "blocks": n, "get_returned_min": min(got) if got else None,
                      "gbps_runs": [nbytes / t / 1e9 for t in ts],
                      "limit_runs": [nbytes / t / 1e9 for t in lim[op]], "limit_alt_runs": lim.get(op + "_seq")})  # seq 4M (NVMe) or x1 (DRAM)
     return {"rows": rows}
+
+
+def _files_bytes(root) -> int:
+    """Sum of the sizes of the block files under an NVMe tier folder."""
+    import os
+
+    total = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".kvb"):
+                total += os.stat(os.path.join(d, f), follow_symlinks=False).st_size
+    return total
 
 
 def render(data: dict) -> str:
@@ -301,14 +350,19 @@ def render(data: dict) -> str:
             f"{'O_DIRECT' if L['o_direct'] else 'buffered+fsync'} sequential write {L['odirect_write_gbps']:.2f} GB/s, "
             f"read {L['odirect_read_gbps']:.2f} GB/s. Each row's own limit (same bytes, measured beside it) is in "
             f"its 'limit' columns; latency is per call of {data['params']['batch']} blocks.\n")
+    for what in data.get("kv_data", []):
+        head += f"Block contents: {what}.\n"
+    head += ("ratio = GB/s / limit. comp = raw bytes / bytes the tier holds for them (files at their real size); "
+             "cap x = blocks per GB vs codec none on the same tier.\n")
     rows = [{**r, "mib": r["block_bytes"] / 2**20,
              "ok": {True: "yes", False: "NO", None: "lossy, in bound"}[r["verified"]]
              + ("" if r.get("get_returned_min") in (None, r.get("blocks")) else
                 f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in data["results"]]
     cols = ["tier", "op", "codec", "block_tokens", "mib", "concurrency", "gbps", "limit", "limit_gbps", "ratio",
-            "p50_ms", "p99_ms", "ok"]
+            "comp_ratio", "capacity_gain", "p50_ms", "p99_ms", "ok"]
     out = head + "\n" + markdown_table(rows, cols, ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s",
-                                                    "limit", "limit GB/s", "ratio", "p50 ms", "p99 ms", "bytes ok"])
+                                                    "limit", "limit GB/s", "ratio", "comp", "cap x", "p50 ms",
+                                                    "p99 ms", "bytes ok"])
     if data.get("skipped"):
         seen = set()
         notes = []

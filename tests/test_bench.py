@@ -72,6 +72,30 @@ def test_tiers_codec_hook_reports_what_it_cannot_measure(tmp_path):
     assert "nonsense" in tiers.render(data)
 
 
+@pytest.mark.parametrize("kv_data", ["tiny-llama", "synthetic"])
+def test_tiers_codec_rows_have_compression_ratio_and_capacity_gain(tmp_path, capsys, kv_data):
+    data = tiers.run(_args(tiers, ["--total-mb", "4", "--block-tokens", "16", "--layers", "2", "--concurrency", "1",
+                                   "--repeats", "1", "--batch", "4", "--tiers", "nvme", "--kv-data", kv_data,
+                                   "--codecs", "none,int8,fp8,zstd,fp8+zstd", "--dir", str(tmp_path)]))
+    assert not data["skipped"]
+    rows = {(r["codec"], r["op"]): r for r in data["results"]}
+    assert {c for c, _ in rows} == {"none", "int8", "fp8", "zstd", "fp8+zstd"}
+    for r in rows.values():
+        assert r["comp_ratio"] > 0 and r["capacity_gain"] > 0 and r["blocks_per_gb"] > 0
+        assert r["stored_bytes"] == r["disk_bytes"]  # the tier's accounting is the files' real size
+        assert r["verified"] is (True if r["codec"] in ("none", "zstd") else None)
+    assert rows["none", "put"]["comp_ratio"] == pytest.approx(1.0)
+    assert rows["none", "put"]["capacity_gain"] == pytest.approx(1.0)
+    # 1-byte codes + one fp32 scale per 128 elements, files padded to 4 KiB: just under 2x
+    for c in ("int8", "fp8"):
+        assert 1.8 < rows[c, "put"]["comp_ratio"] < 2.0
+    assert rows["zstd", "put"]["comp_ratio"] > 1.0  # fp16 KV exponents compress, noise would not
+    assert rows["fp8+zstd", "put"]["comp_ratio"] > rows["fp8", "put"]["comp_ratio"]
+    text = capsys.readouterr().out
+    assert "| comp | cap x |" in text
+    assert ("tiny random-weight Llama" if kv_data == "tiny-llama" else "synthetic KV") in text
+
+
 def test_tiers_yaml_config_and_flags(tmp_path):
     cfg = tmp_path / "t.yaml"
     cfg.write_text("total_mb: 4\nblock_tokens: [16]\nlayers: 1\nconcurrency: [1]\nrepeats: 1\nbatch: 4\ntiers: dram\n")
