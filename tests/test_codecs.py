@@ -99,6 +99,31 @@ def test_fp8_relative_error_within_e4m3_bound(name, dtype):
     assert float(rel.max()) <= 2**-4 + ulp * 1.01
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_fp8_decode_matches_torch_cast_for_every_code(dtype):
+    """The fast fp8 decoder (float16 bit moves) equals torch's e4m3 cast for all 254 finite codes,
+    subnormals and signed zeros included; e4m3's NaN codes are rejected."""
+    group = 256
+    c = make_codec("fp8", Geometry(4 * group * TORCH[dtype].itemsize, dtype, group))
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[~torch.isnan(codes.view(torch.float8_e4m3fn).float())]
+    assert finite.numel() == 254
+    q = torch.cat([finite, finite[:2]]).repeat(4)  # 4 groups of 256 codes
+    scales = torch.tensor([1.0, 0.0, 3.7e-3, 123.25], dtype=torch.float32)
+    enc = np.concatenate([scales.numpy().view(np.uint8), q.numpy()])
+    out = np.empty(c.block_bytes, np.uint8)
+    c.decode(enc, enc.size, out)
+    want = (q.view(torch.float8_e4m3fn).float().view(4, group) * scales[:, None]).to(TORCH[dtype])
+    got = torch.from_numpy(out).view(TORCH[dtype]).view(4, group)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
+    for nan in (0x7F, 0xFF):
+        bad = enc.copy()
+        bad[scales.numel() * 4 + 17] = nan
+        with pytest.raises(CodecError):
+            c.decode(bad, bad.size, out)
+
+
 def test_lossy_needs_a_known_dtype_and_a_dividing_group():
     with pytest.raises(ValueError, match="dtype"):
         make_codec("fp8", Geometry(4096, "uint8", 64))

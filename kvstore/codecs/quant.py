@@ -10,7 +10,8 @@ codes stay contiguous). A group is ``geometry.group_elems`` consecutive elements
   in e4m3's subnormal range.
 
 Decoding multiplies back in float32 and rounds to the block dtype (one more half-ulp of it).
-Vectorized torch (multithreaded, and it has fp8 and bfloat16, which numpy lacks).
+Vectorized torch (multithreaded, and it has fp8 and bfloat16, which numpy lacks; numpy's int8 path
+measured 4 to 20x slower); fp8 decodes through float16 bits rather than torch's slow fp8 cast.
 """
 
 from __future__ import annotations
@@ -75,5 +76,16 @@ class QuantCodec(Codec):
         scale = s[: self.scale_bytes].view(torch.float32).view(self.n_groups, 1)
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
             raise CodecError(f"{self.name}: bad scales")
-        q = s[self.scale_bytes:].view(self.qdtype).view(self.n_groups, self.group)
-        self._x(dst).copy_(q.float().mul_(scale))
+        if self.name == "int8":
+            q = s[self.scale_bytes:].view(torch.int8).view(self.n_groups, self.group)
+            self._x(dst).copy_(q.float().mul_(scale))
+            return
+        # fp8: torch's e4m3 -> float cast runs ~1 GB/s on CPU; moving the bits into a float16
+        # (sign; exponent and mantissa shifted into place) gives the same value times 2**-8, exactly,
+        # for every finite code, subnormals included, at ~4x the speed (bench/codec_speed.py)
+        u = s[self.scale_bytes:].view(self.n_groups, self.group).to(torch.int16)
+        mag = u & 0x7F
+        if bool((mag == 0x7F).any()):  # e4m3's NaN codes: the encoder never writes them
+            raise CodecError(f"{self.name}: NaN codes")
+        h = (u & 0x80).bitwise_left_shift_(8).bitwise_or_(mag.bitwise_left_shift_(7))
+        self._x(dst).copy_(h.view(torch.float16).float().mul_(scale * 256.0))
