@@ -216,3 +216,27 @@ def test_path_is_expanded(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     c = from_dict({"tiers": {"nvme": {"path": "~/cache"}}})
     assert c.tiers.nvme.path == str(tmp_path / "cache")
+
+
+def test_default_yaml_lists_every_key():
+    """configs/default.yaml maps one-to-one onto the config objects: every field, default values."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from kvstore.config import StoreConfig, load_config
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "default.yaml").read_text())
+    defaults = StoreConfig()
+
+    def check(obj, d, where):
+        names = {f.name for f in dataclasses.fields(obj)}
+        assert set(d) == names, (where, set(d) ^ names)
+        for n in names:
+            v = getattr(obj, n)
+            if dataclasses.is_dataclass(v):
+                check(v, d[n], f"{where}.{n}")
+
+    check(defaults, doc, "")
+    assert load_config(str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")) == defaults
