@@ -9,7 +9,8 @@ import sys
 
 
 def _bench(argv: list[str]) -> int:
-    modes = {"tiers": "bench.tiers", "e2e": "bench.e2e", "agent": "bench.agent", "copy": "bench.copy_bench"}
+    modes = {"tiers": "bench.tiers", "e2e": "bench.e2e", "agent": "bench.agent", "copy": "bench.copy_bench",
+             "faults": "bench.faults"}
     if not argv or argv[0] not in modes:
         print(f"usage: kvstore bench {{{','.join(modes)}}} [options]   (kvstore bench MODE --help)", file=sys.stderr)
         return 2
@@ -19,8 +20,8 @@ def _bench(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog=f"kvstore bench {argv[0]}", description=mod.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
-    mod.run(p.parse_args(argv[1:]))
-    return 0
+    r = mod.run(p.parse_args(argv[1:]))
+    return 1 if isinstance(r, dict) and r.get("problems") else 0  # bench faults: what must not happen
 
 
 def _inspect(argv: list[str]) -> int:
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
               "  bench agent      agent-workload replay through the store: hit rates, miss reasons\n"
               "  bench e2e        TTFT through vLLM: recompute vs prefix hits\n"
               "  bench copy       gather/scatter copy kernels vs memcpy (and PCIe on a GPU)\n"
+              "  bench faults     crash/corruption/fuzz/disk-full/sharing/churn/bad-input suite (--quick)\n"
               "  tune --trace T   replay a trace over TTL/capacity settings, recommend a config\n"
               "  inspect DIR      what an NVMe tier folder holds (--json)\n"
               "  stats            hit rates and miss reasons of a running store (--url)\n"

@@ -619,6 +619,7 @@ class KVStore:
         for t in self.tiers:
             self.metrics.blocks.labels(t.name).set(len(t))
             self.metrics.bytes_held.labels(t.name).set(t.used_bytes)
+            self.metrics.capacity.labels(t.name).set(t.capacity_bytes)  # a full disk lowers it
         self._sync_corrupt_metrics()
 
     def stats(self) -> dict:

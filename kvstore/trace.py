@@ -12,6 +12,7 @@ Extra fields are allowed and ignored by readers. The connector records one when
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -46,8 +47,8 @@ def parse_line(line: str, lineno: int = 0) -> TraceRecord:
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"trace line {lineno}: {e!r}; expected {{t, session, blocks, block_tokens, "
                          f"prompt_tokens, output_tokens}}") from None
-    if rec.block_tokens <= 0 or rec.prompt_tokens < 0:
-        raise TraceError(f"trace line {lineno}: block_tokens must be > 0 and prompt_tokens >= 0")
+    if rec.block_tokens <= 0 or rec.prompt_tokens < 0 or not math.isfinite(rec.t):
+        raise TraceError(f"trace line {lineno}: block_tokens must be > 0, prompt_tokens >= 0 and t finite")
     return rec
 
 

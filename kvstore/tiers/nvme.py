@@ -41,6 +41,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted where a file was must not block open()
 _DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
 PROBE_PREFIX = ".odirect-probe."
 
@@ -74,8 +75,10 @@ def read_header(path: str | os.PathLike) -> ff.Header:
 
     Raises OSError (e.g. ELOOP for a symlink) or :class:`~kvstore.fileformat.BadBlockFile`.
     """
-    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ff.BadBlockFile("not_a_file")
         try:
             return ff.unpack_header(os.getxattr(fd, ff.XATTR))  # an "xattr" file
         except OSError:
@@ -130,6 +133,38 @@ def _mkdir_private(p: Path) -> None:
             raise OSError(errno.ENOTDIR, f"refusing non-folder or symlink in the cache: {p}") from None
 
 
+def check_folder(path: str | os.PathLike) -> Path:
+    """Create the tier's folder (0700) if missing; refuse one that is unsafe or unusable.
+
+    Refused with a :class:`~kvstore.config.ConfigError` naming ``tiers.nvme.path``: a path that
+    cannot be created or written, that is not a folder, that another user owns, or that is
+    world-writable (anyone could plant, swap or delete block files there).
+    """
+    from kvstore.config import ConfigError
+
+    key = "tiers.nvme.path"
+    base = Path(path)
+    try:
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.stat(base)  # a configured symlink to a folder is the operator's choice
+    except OSError as e:
+        raise ConfigError(key, str(path), f"a folder this process can create and write ({e.strerror or e})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(key, str(path), "a folder (this path is not one)")
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(key, str(path), f"a folder owned by this user (uid {me}); it is owned by uid "
+                          f"{st.st_uid}, who could plant, swap or delete block files")
+    if st.st_mode & stat.S_IWOTH:
+        raise ConfigError(key, str(path), f"a folder that is not world-writable (its mode is "
+                          f"{stat.S_IMODE(st.st_mode):04o}: anyone could plant, swap or delete block files); "
+                          f"use a private subfolder, e.g. {os.path.join(str(path), 'kvstore')}")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(key, str(path), "a writable folder (this one is not writable: permissions or a "
+                          "read-only file system)")
+    return base
+
+
 def _open_subdir(parent_fd: int, name: str, create: bool) -> int:
     """A descriptor of the real folder ``name`` in ``parent_fd`` (never through a symlink)."""
     try:
@@ -163,8 +198,7 @@ class NvmeTier(Tier):
         self.payload_max = self.codec.encoded_bytes if self.codec is not None else block_bytes
         self.fixed_size = self.codec is None or self.codec.fixed_size
         self._root_fd = self._tmp_fd = -1
-        base = Path(path)
-        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        base = check_folder(path)
         if header not in ("auto", "xattr", "inline"):
             raise ValueError(f"header must be auto, xattr or inline, got {header!r}")
         self.header = "inline"
@@ -177,6 +211,10 @@ class NvmeTier(Tier):
         self.root = base / (f"kvstore-{self.namespace.hex()[:16]}" + ("-x" if self.header == "xattr" else ""))
         _mkdir_private(self.root)
         self._root_fd = os.open(self.root, _DIR_FLAGS)
+        owner = os.fstat(self._root_fd).st_uid
+        if owner != os.geteuid():
+            self.close()
+            raise OSError(errno.EPERM, f"refusing a cache folder owned by uid {owner}: {self.root}")
         os.chmod(self._root_fd, 0o700)
         self.tmp = self.root / "tmp"
         self._tmp_fd = _open_subdir(self._root_fd, "tmp", create=True)
@@ -335,7 +373,7 @@ class NvmeTier(Tier):
             return False
         try:
             try:
-                fd = os.open(name, os.O_RDONLY | self._flags(), dir_fd=leaf)
+                fd = os.open(name, os.O_RDONLY | self._flags() | _O_NONBLOCK, dir_fd=leaf)
             except FileNotFoundError:
                 self.count("missing")
                 return False
@@ -529,8 +567,10 @@ class NvmeTier(Tier):
     def _scan_one(self, dir_fd: int, d1: str, d2: str, f: os.DirEntry,
                   hbuf: bytearray) -> tuple[float, bytes, int] | None:
         if f.is_symlink():
+            self._bad_count("symlink", f"{d1}/{d2}/{f.name}: a symlink (not followed)")
             return None  # never followed, never deleted through
         if not f.is_file(follow_symlinks=False):
+            self._bad_count("not_a_file", f"{d1}/{d2}/{f.name}: not a regular file (left alone)")
             return None
         stem = f.name[: -len(ff.SUFFIX)] if f.name.endswith(ff.SUFFIX) else ""
         try:
@@ -544,7 +584,7 @@ class NvmeTier(Tier):
             self._bad(dir_fd, f.name, "misplaced", f"in {d1}/{d2}")
             return None
         try:
-            fd = os.open(f.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(f.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK, dir_fd=dir_fd)
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):

@@ -9,6 +9,7 @@ marks each request that is a *replay* (its exact block list was seen before).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -107,12 +108,23 @@ def load_trace(path: str | os.PathLike, limit: int | None = None) -> Trace:
             except (KeyError, TypeError, ValueError) as e:
                 raise TraceError(f"{path}: line {i}: {e!r}; expected {{t, session, blocks, block_tokens, "
                                  f"prompt_tokens, output_tokens}}") from None
-            if not isinstance(row[2], list) or row[3] <= 0 or row[4] < 0:
-                raise TraceError(f"{path}: line {i}: blocks must be a list, block_tokens > 0, prompt_tokens >= 0")
+            if not isinstance(row[2], list) or row[3] <= 0 or row[4] < 0 or not math.isfinite(row[0]):
+                raise TraceError(f"{path}: line {i}: blocks must be a list, block_tokens > 0, prompt_tokens >= 0, "
+                                 f"t finite")
+            if not _hex_keys(row[2]):
+                raise TraceError(f"{path}: line {i}: blocks must be 32-hex-digit block keys")
             rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break
     return _build(rows)
+
+
+def _hex_keys(blocks: list) -> bool:
+    """Every item a 32-hex-digit string (one C-speed check per line, not per key)."""
+    try:
+        return all(len(b) == 32 for b in blocks) and len(bytes.fromhex("".join(blocks))) == 16 * len(blocks)
+    except (TypeError, ValueError):
+        return False
 
 
 def _build(rows: list[tuple]) -> Trace:
