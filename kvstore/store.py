@@ -385,8 +385,10 @@ class KVStore:
         if self.dram is not None:
             if self.nvme is not None:
                 want = [k for k in keys if not self.nvme.holds(k)]
-                got = dict(zip(want, self.dram.reserve(want))) if want else {}
-                entries = [got.pop(k, None) for k in keys]  # pop: a repeated key is reserved once
+                # a repeated key is reserved once (its later copies get None): keep that entry,
+                # never overwrite it with a later None (it would stay WRITING and pinned forever)
+                got = {k: e for k, e in zip(want, self.dram.reserve(want)) if e is not None} if want else {}
+                entries = [got.pop(k, None) for k in keys]
             else:
                 entries = self.dram.reserve(keys)
             views = [self.dram.view(e) if e is not None else None for e in entries]

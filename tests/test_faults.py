@@ -243,6 +243,19 @@ def test_one_store_deletes_what_another_reads(make_store, store_dir):
     check_store(c)
 
 
+@pytest.mark.parametrize("dram_blocks", [0, 8])
+def test_a_key_repeated_in_one_batch_is_stored_once(make_store, dram_blocks):
+    """Two requests of one vLLM step that share a prefix save the same keys in one batch. The
+    repeated key's DRAM reservation used to be overwritten by the later copy's None: the entry
+    stayed WRITING and pinned (a leaked slot, and a prefix that never hit again)."""
+    s = make_store(dram_blocks=dram_blocks, nvme_blocks=16)
+    k = make_keys(3)
+    batch = [k[0], k[1], k[0], k[1], k[2]]
+    assert s.put(batch, blocks_for(batch)) == 3
+    assert s.contains_prefix(k).num_blocks == 3 and read_n(s, k) == 3
+    check_store(s)
+
+
 # -- 6. churn -------------------------------------------------------------------------------------
 
 
