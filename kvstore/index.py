@@ -38,6 +38,7 @@ class Entry:
     ttl: float | None = None  # per-entry TTL (TTL classes); None = the tier's
     first_session: Hashable = None  # the first session that hit it (for ``ttl_shared_s``)
     shared: bool = False  # hit by >= 2 distinct sessions (then ``ttl`` is the tier's shared TTL)
+    heap_at: float = math.inf  # deadline of this entry's live TTL-heap item (inf: none)
 
 
 class TierIndex:
@@ -92,19 +93,28 @@ class TierIndex:
         return self.ttl if e.ttl is None else e.ttl
 
     def _set_expiry(self, e: Entry, now: float) -> None:
+        """Refresh the idle deadline. The TTL heap is lazy: an entry keeps one live item, pushed
+        only when the new deadline is earlier than it (a hit, which pushes the deadline later,
+        costs no heap work; the item re-schedules itself when it comes due)."""
         ttl = self._ttl(e)
         e.last_access = now
         e.expire_at = math.inf if ttl is None else now + ttl
-        if e.expire_at != math.inf:
+        if e.expire_at < e.heap_at:
             self._seq += 1
             heapq.heappush(self._heap, (e.expire_at, self._seq, e.key))
+            e.heap_at = e.expire_at
             if len(self._heap) > 2 * len(self.entries) + 1024:
                 self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [(e.expire_at, i, e.key) for i, e in enumerate(self.entries.values()) if e.expire_at != math.inf]
-        heapq.heapify(self._heap)
-        self._seq = len(self._heap)
+        heap = []
+        for i, e in enumerate(self.entries.values()):
+            e.heap_at = e.expire_at
+            if e.expire_at != math.inf:
+                heap.append((e.expire_at, i, e.key))
+        heapq.heapify(heap)
+        self._heap = heap
+        self._seq = len(heap)
 
     def touch(self, e: Entry, now: float, session: str | None = None) -> None:
         """A hit: refresh recency and the idle TTL.
@@ -132,8 +142,15 @@ class TierIndex:
             popped += 1
             item = heapq.heappop(heap)
             e = self.entries.get(item[2])
-            if e is None or e.expire_at != item[0]:
+            if e is None or e.heap_at != item[0]:
                 continue  # stale heap item
+            if e.expire_at > now:  # refreshed since the item was pushed: re-schedule it
+                e.heap_at = math.inf
+                if e.expire_at != math.inf:
+                    self._seq += 1
+                    heapq.heappush(heap, (e.expire_at, self._seq, e.key))
+                    e.heap_at = e.expire_at
+                continue
             if e.pins or e.state != READY:
                 held.append(item)
                 continue
@@ -249,4 +266,5 @@ class TierIndex:
             if e.state == WRITING:
                 assert e.pins >= 1, "a WRITING entry must be pinned"
             elif e.expire_at != math.inf:
-                assert (e.expire_at, k) in due, "an expiring entry is missing from the TTL heap"
+                assert e.heap_at <= e.expire_at and (e.heap_at, k) in due, \
+                    "an expiring entry has no TTL heap item at or before its deadline"

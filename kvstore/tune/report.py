@@ -93,10 +93,12 @@ def markdown(res: dict, all_rows: bool = False) -> str:
         st = res["sampled_trace"]
         samp = (f" screened on a {res['sample_rate']:.2%} session sample ({st['sessions']:,} sessions, "
                 f"{st['requests']:,} requests; capacities scaled alike), the best {tm['confirmed']} replayed on "
-                f"the whole trace;")
+                + ("the whole trace;" if (res.get("confirm_rate") or 1.0) >= 1
+                   else f"a {res['confirm_rate']:.2%} session sample (the whole trace is too long to replay);"))
     out.append(f"Search: {res['search']}, {len(res['grid'])} settings ({tm['simulated']} replayed, "
                f"{tm['reused']} identical to a smaller one);{samp} {tm['seconds']:.1f} s on {tm['jobs']} "
-               f"process(es), {tm['requests_per_s']:,.0f} requests/s per replay.")
+               f"process(es), {tm['requests_per_s']:,.0f} requests/s per replay "
+               f"({tr['blocks_per_request']:.0f} blocks a request).")
     b = res["budget"]
     out.append(f"Budget: DRAM {b['dram_gb']:g} GB, NVMe {b['nvme_gb']:g} GB." + (
         f" Cost model: DRAM {res['cost_model']['gb_hour_price_dram']:g}/GB-h, NVMe "
@@ -126,7 +128,9 @@ def markdown(res: dict, all_rows: bool = False) -> str:
     out.append(table(rows, rec if not res.get("confirmed") else
                      next((r for r in res["grid"] if setting(r) == setting(rec)), None)))
     if res.get("confirmed"):
-        out += ["", f"Replayed on the whole trace ({len(res['confirmed'])} best of the sample):", "",
+        whole = (res.get("confirm_rate") or 1.0) >= 1
+        where = "the whole trace" if whole else f"a {res['confirm_rate']:.2%} session sample"
+        out += ["", f"Replayed on {where} ({len(res['confirmed'])} best of the screening):", "",
                 table(res["confirmed"], rec)]
     if res.get("plots"):
         out += ["", "Plots: " + ", ".join(res["plots"])]

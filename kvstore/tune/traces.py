@@ -35,6 +35,11 @@ class Trace:
     def __len__(self) -> int:
         return len(self.t)
 
+    @property
+    def block_visits(self) -> int:
+        """Blocks looked up over all requests (what a replay's cost is proportional to)."""
+        return sum(map(len, self.keys))
+
     def requests(self) -> Iterator[tuple]:
         """(t, session, keys, prompt_tokens, block_tokens, replay) per request, for Simulator.request."""
         return zip(self.t, self.session, self.keys, self.prompt_tokens, self.block_tokens, self.replay)

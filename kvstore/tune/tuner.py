@@ -3,12 +3,15 @@
 * ``full``: every (DRAM capacity, DRAM TTL, NVMe capacity, NVMe TTL) combination.
 * ``staged``: DRAM TTL x capacity with NVMe at its largest capacity and TTL; then NVMe TTL x
   capacity with DRAM at the stage-1 pick (the two slices instead of their product).
-* ``auto``: ``full`` when it is at most ``work_limit`` request replays, else ``staged``.
+* ``auto``: ``full`` when it is at most ``work_limit`` block visits, else ``staged``.
 
-Sampling (``sample`` < 1, or ``auto`` when the search is larger than ``work_limit`` request
-replays): the grid is screened on the requests of a hash-chosen fraction of the sessions with
-every capacity scaled by that fraction (counts are scaled back up), then the best few settings
-are replayed on the whole trace and the recommendation is picked among those.
+Work is counted in block visits (requests x blocks per request: a replay costs ~3 us per block
+visit per process, whatever the request count). Sampling (``sample`` < 1, or ``auto`` when the
+search is larger than ``work_limit``): the grid is screened on the requests of a hash-chosen
+fraction of the sessions with every capacity scaled by that fraction (counts are scaled back
+up), then the best few settings are replayed on the whole trace — or, when one whole-trace
+replay exceeds ``confirm_limit`` block visits, on a larger session sample (``confirm_rate``) —
+and the recommendation is picked among those.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ from kvstore.tune import grid as G
 from kvstore.tune.recommend import CostModel, analyse, pick, ranked, setting
 from kvstore.tune.traces import Trace
 
-WORK_LIMIT = 4_000_000  # request replays a search may do on the whole trace before sampling
+WORK_LIMIT = 100_000_000  # block visits a search may do before it screens on a sample
+CONFIRM_LIMIT = 30_000_000  # block visits of one confirming replay before it is sampled too
 MIN_SAMPLED_SESSIONS = 2000
 
 
 def choose(n_requests: int, n_sessions: int, n_full: int, n_staged: int, search: str = "auto",
-           sample: float | str = "auto", work_limit: int = WORK_LIMIT) -> tuple[str, float]:
-    """(search mode, sample rate) for a trace and grid."""
+           sample: float | str = "auto", work_limit: int = WORK_LIMIT,
+           n_visits: int | None = None) -> tuple[str, float]:
+    """(search mode, sample rate) for a trace and grid; ``n_visits``: the trace's block visits
+    (sum of blocks per request; default ``n_requests``, i.e. one block a request)."""
+    unit = n_requests if n_visits is None else n_visits
     if search == "auto":
-        search = "full" if n_full * n_requests <= work_limit else "staged"
+        search = "full" if n_full * unit <= work_limit else "staged"
     n_points = n_full if search == "full" else n_staged
     if sample == "auto":
-        work = n_points * n_requests
+        work = n_points * unit
         rate = 1.0 if work <= work_limit else work_limit / work
         if n_sessions:
             rate = max(rate, min(1.0, MIN_SAMPLED_SESSIONS / n_sessions))
@@ -41,13 +48,14 @@ def choose(n_requests: int, n_sessions: int, n_full: int, n_staged: int, search:
 
 def tune(trace: Trace, common: G.Common, axes: Sequence[Sequence], *, search: str = "auto",
          sample: float | str = "auto", jobs: int = 1, cost: CostModel | None = None, tol_pp: float = 0.1,
-         confirm: int | None = None, work_limit: int = WORK_LIMIT,
+         confirm: int | None = None, work_limit: int = WORK_LIMIT, confirm_limit: int = CONFIRM_LIMIT,
          progress: Callable[[str, int, int, int], None] | None = None) -> dict:
     """Run the search; returns the grid, the recommendation and its analysis (see cli for the keys)."""
     dram_gbs, dram_ttls, nvme_gbs, nvme_ttls = (list(a) for a in axes)
     full = [(dc, dt, nc, nt) for dc in dram_gbs for dt in dram_ttls for nc in nvme_gbs for nt in nvme_ttls]
     n_staged = len(dram_gbs) * len(dram_ttls) + len(nvme_gbs) * len(nvme_ttls)
-    search, rate = choose(len(trace), trace.n_sessions, len(full), n_staged, search, sample, work_limit)
+    visits = trace.block_visits
+    search, rate = choose(len(trace), trace.n_sessions, len(full), n_staged, search, sample, work_limit, visits)
     screen = trace.sample_sessions(rate) if rate < 1 else trace
     if not len(screen):
         screen, rate = trace, 1.0
@@ -70,10 +78,15 @@ def tune(trace: Trace, common: G.Common, axes: Sequence[Sequence], *, search: st
     confirmed: list[dict] = []
     rec_screen = pick(points, cost, tol_pp)
     rec = rec_screen
+    confirm_rate = 1.0
     if rate < 1:
         k = confirm if confirm is not None else max(2, jobs)
         cands = [setting(r) for r in ranked(points, cost, tol_pp, k)]
-        with G.Evaluator(trace, common, axes, jobs=jobs, progress=prog("confirm")) as ev2:
+        confirm_rate = 1.0 if visits <= confirm_limit else max(rate, round(confirm_limit / visits, 4))
+        target = trace.sample_sessions(confirm_rate) if confirm_rate < 1 else trace
+        if not len(target):
+            target, confirm_rate = trace, 1.0
+        with G.Evaluator(target, common, axes, jobs=jobs, progress=prog("confirm"), rate=confirm_rate) as ev2:
             confirmed = ev2.evaluate(cands)
         rec = pick(confirmed, cost, tol_pp)
         rec_screen = next(r for r in points if setting(r) == setting(rec))
@@ -88,6 +101,7 @@ def tune(trace: Trace, common: G.Common, axes: Sequence[Sequence], *, search: st
     return {
         "search": search,
         "sample_rate": rate,
+        "confirm_rate": confirm_rate if rate < 1 else None,
         "sampled_trace": screen.summary() if rate < 1 else None,
         "recommended": rec,
         "analysis": analyse(points, rec_screen, tol_pp),
