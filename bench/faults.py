@@ -789,7 +789,7 @@ def _sharer(job: dict) -> None:
     pre = [key_of("pre", i) for i in range(job["pre"])]
     pre_set = set(pre)
     r = {"reads_ok": 0, "wrong": 0, "misses": 0, "errors": 0, "deleted": 0, "reopens": 0, "other_reads_ok": 0,
-         "common_writes": 0, "written": [], "examples": []}
+         "common_writes": 0, "rewritten": 0, "written": [], "examples": []}
     out = np.zeros((4, bb), np.uint8)
     s = open_store(job["path"], **kw)
     n_own = 0
@@ -812,10 +812,11 @@ def _sharer(job: dict) -> None:
                     r["wrong"] += w
                     r["misses"] += len(ks) - n
                 elif x < 0.92:
-                    if me == 0:  # delete what the other reads
-                        r["deleted"] += s.nvme.remove([pre[rng.randrange(len(pre))] for _ in range(3)])
-                    else:
-                        s.sweep()
+                    ks = [pre[rng.randrange(len(pre))] for _ in range(3)]
+                    if me == 0:  # delete what the other reads ...
+                        r["deleted"] += s.nvme.remove(ks)
+                    else:  # ... while the other writes it again
+                        r["rewritten"] += s.put(ks, np.stack([block_of(k, bb) for k in ks]))
                 else:  # reopen: the scan sees the other's files; read some of them
                     s.close()
                     s = open_store(job["path"], **kw)
@@ -864,6 +865,7 @@ def sharing(folder, *, ops: int, seed: int = 0, block_bytes: int = 16384, pre: i
            "shared_reads_ok": sum(r["reads_ok"] + r["other_reads_ok"] for r in results),
            "shared_reads_of_other_process": sum(r["other_reads_ok"] for r in results),
            "shared_misses": sum(r["misses"] for r in results), "shared_deleted": sum(r["deleted"] for r in results),
+           "shared_rewritten": sum(r["rewritten"] for r in results),
            "shared_reopens": sum(r["reopens"] for r in results),
            "shared_errors": errors + sum(r["errors"] for r in results),
            "shared_examples": (examples + [e for r in results for e in r["examples"]])[:3]}

@@ -224,6 +224,7 @@ def test_two_processes_on_one_folder(tmp_path):
     assert r["shared_errors"] == 0, r["shared_examples"]
     assert r["shared_wrong_reads"] == 0 and r["shared_lost_writes"] == 0
     assert r["shared_writes"] > 0 and r["shared_deleted"] > 0  # both wrote; one deleted what both read
+    assert r["shared_rewritten"] > 0  # ... and what the other was writing again
     assert r["shared_reads_of_other_process"] > 0  # blocks written by the other process were read
     assert r["shared_orphans"] == 0 and r["shared_tmp_left"] == 0
 
