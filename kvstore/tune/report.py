@@ -41,7 +41,7 @@ def fmt_bytes(n: float) -> str:
     for unit, s in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= s:
             v = n / s
-            return f"{v:.3g} {unit}" if v < 1000 else f"{v:.0f} {unit}"
+            return f"{v:.3g} {unit}" if v < 999.5 else f"{v:.0f} {unit}"  # (.3g of 999.9 is 1e+03)
     return f"{int(n)} B"
 
 
