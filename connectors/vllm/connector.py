@@ -147,7 +147,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.client = LocalClient(local) if local is not None else RemoteClient(name)
             trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
             self.planner = Planner(self.client, self.fingerprint, self.block_size,
-                                   prefetch=self.config.tiers.nvme.enabled, trace=trace)
+                                   # a prefetch promotes NVMe blocks into DRAM: without a DRAM tier it
+                                   # would only read every block twice
+                                   prefetch=self.config.tiers.nvme.enabled and self.config.tiers.dram.enabled,
+                                   trace=trace)
         self._closed = False
         log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s", role.name,
                  self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,
