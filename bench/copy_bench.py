@@ -31,6 +31,12 @@ import numpy as np
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.copy_bench", description=__doc__.split("\n")[0])
+    add_args(p)
+    return p
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags (``kvstore bench copy`` and ``python -m bench.copy_bench`` share them)."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layouts", default=None,
                    help="comma list of layouts (cpu default: vllm_cpu,flash_attn; cuda default: "
@@ -56,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU non-temporal stores")
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def _torch_dtype(name: str):
@@ -297,6 +302,8 @@ def run(args: argparse.Namespace | None = None) -> dict:
         "rows": rows,
     }
     result["markdown"] = markdown(rows)
+    if args is not None:  # the command line (kvstore bench copy, python -m bench.copy_bench) prints it
+        print(result["markdown"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({k: v for k, v in result.items() if k != "markdown"}, f, indent=2)
@@ -304,9 +311,7 @@ def run(args: argparse.Namespace | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    res = run(a)
-    print(res["markdown"])
+    run(build_parser().parse_args(argv))
     return 0
 
 

@@ -359,3 +359,16 @@ def test_e2e_tiny(tmp_path):
         assert all("CPU" in p["why"] for p in data["peers"].values())
     assert (tmp_path / "plots" / "e2e_multi_turn.png").exists()
     assert json.loads((tmp_path / "e2e.json").read_text())["multi_turn"][0]["case"] == "recompute"
+
+
+def test_copy_mode_through_the_cli(tmp_path, capsys):
+    """`kvstore bench copy` runs the csrc gather/scatter benchmark (CPU) and prints its table."""
+    from kvstore.cli import main
+
+    out = tmp_path / "copy.json"
+    assert main(["bench", "copy", "--block-sizes", "16", "--blocks", "8", "--layers", "2", "--repeat", "1",
+                 "--layouts", "vllm_cpu", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gather" in text and "scatter" in text and "|" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["gbps"] > 0 for r in rows if "gbps" in r)
