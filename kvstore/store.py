@@ -598,6 +598,10 @@ class KVStore:
         """Start promoting the leading NVMe blocks of ``keys`` into DRAM; resolves to the count."""
         self._check_open()
         keys = _check_keys(keys)
+        if self.dram is None or self.nvme is None:  # nowhere to promote into (or from): nothing to do
+            f: Future = Future()
+            f.set_result(0)
+            return f
 
         def job() -> int:
             h = self._begin_load(keys, None, None)

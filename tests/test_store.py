@@ -334,6 +334,21 @@ def test_prefetch_promotes(make_store, store_dir, clock):
     check_store(s2)
 
 
+
+def test_prefetch_without_a_dram_tier_reads_nothing(make_store):
+    """No DRAM tier: nothing to promote into, so a prefetch must not read (and discard) every block."""
+    s = make_store(dram_blocks=0, nvme_blocks=8)
+    keys = make_keys(3)
+    s.put(keys, blocks_for(keys))
+    reads = s.nvme.read
+    calls = []
+    s.nvme.read = lambda *a, **k: calls.append(1) or reads(*a, **k)
+    assert s.prefetch(keys).result(timeout=30) == 0
+    assert calls == []
+    out = np.empty((3, BLOCK), np.uint8)
+    assert s.get(keys, out) == 3 and len(calls) == 3  # a real load still reads
+
+
 # -- miss reasons ---------------------------------------------------------------------------------
 
 

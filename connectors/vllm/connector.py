@@ -147,8 +147,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.client = LocalClient(local) if local is not None else RemoteClient(name)
             trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
             self.planner = Planner(self.client, self.fingerprint, self.block_size,
-                                   # a prefetch promotes NVMe blocks into DRAM: without a DRAM tier it
-                                   # would only read every block twice
+                                   # a prefetch promotes NVMe blocks into DRAM; without a DRAM tier there
+                                   # is nothing to wait for, so the lookup need not "ask again"
                                    prefetch=self.config.tiers.nvme.enabled and self.config.tiers.dram.enabled,
                                    trace=trace)
         self._closed = False
