@@ -39,6 +39,9 @@ class StoreMetrics:
         self.blocks = Gauge("kvstore_blocks", "Blocks held, by tier", ["tier"], registry=r)
         self.bytes_held = Gauge("kvstore_bytes", "Bytes held, by tier", ["tier"], registry=r)
         self.capacity = Gauge("kvstore_capacity_bytes", "Capacity, by tier", ["tier"], registry=r)
+        self.info = Gauge("kvstore_store_info", "The store's identity (value 1): model, key-chain root and NVMe "
+                          "namespace, so a tool can find a prompt's blocks (keys = chain_keys(root, tokens))",
+                          ["model", "root", "namespace"], registry=r)
         self._server = None
         self._lock = threading.Lock()
         if port:

@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
+from kvstore import failpoints
 from kvstore.codecs import DTYPES, Geometry, make_codec, normalize_dtype
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.fileformat import CODEC_IDS
@@ -63,13 +64,16 @@ class StoreHandle:
 
 @dataclass
 class LoadHandle:
-    """Phase 1 of a zero-copy load: ``views[:num_blocks]`` hold the blocks (read-only use)."""
+    """Phase 1 of a zero-copy load: ``views[:num_blocks]`` hold the blocks (read-only use) once
+    the NVMe ones are read (``unread``: block index -> pinned NVMe entry, see ``read_load``)."""
 
     keys: list[bytes]
     num_blocks: int
-    views: list[np.ndarray]
-    entries: list[Entry]
+    views: list[np.ndarray | None]
+    entries: list[Entry | None]  # pinned DRAM entries (None for a block read into a private buffer)
     tier_of: list[str]
+    unread: dict[int, Entry] = field(default_factory=dict)
+    read: bool = False
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
 
@@ -140,6 +144,8 @@ class KVStore:
         if ncfg.enabled and ncfg.codec != "none":
             self.nvme_codec = make_codec(ncfg.codec, self.geometry, ncfg.zstd_level)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
+        self.metrics.info.labels(fingerprint.model if isinstance(fingerprint, ModelFingerprint) else "",
+                                 self.root.hex(), self.namespace.hex()).set(1)
         self._tmpdir: str | None = None
         self.dram: DramTier | None = None
         self.nvme: NvmeTier | None = None
@@ -487,17 +493,37 @@ class KVStore:
 
     def begin_load(self, keys: Sequence[bytes], *, outs: list[np.ndarray] | None = None,
                    session: str | None = None) -> LoadHandle:
-        """Pin the leading stored blocks, promoting NVMe ones into DRAM. ``views[i]`` holds block i.
-
-        Without ``outs`` the views are DRAM slots (zero copy). NVMe blocks that cannot get a DRAM
-        slot are read into ``outs[i]`` (or a private buffer). A failed or corrupt read ends the
-        prefix there. Call ``end_load`` to unpin.
-        """
+        """Pin the leading stored blocks and read the NVMe ones (:meth:`pin_load` then
+        :meth:`read_load`). ``views[i]`` holds block i; call ``end_load`` to unpin."""
         self._check_open()
-        return self._begin_load(_check_keys(keys), outs, session)
+        h = self._pin(_check_keys(keys), session)
+        try:
+            self._read_pinned(h, outs)
+        except BaseException:
+            self.end_load(h)
+            raise
+        return h
 
-    def _begin_load(self, keys: list[bytes], outs: list[np.ndarray] | None, session: str | None) -> LoadHandle:
-        t0 = time.perf_counter()
+    def pin_load(self, keys: Sequence[bytes], *, session: str | None = None) -> LoadHandle:
+        """Phase 1 of a load, without I/O (the scheduler side): pin the leading stored blocks in
+        whichever tier holds them. DRAM blocks get their views now; NVMe blocks are read later
+        by :meth:`read_load` (the worker side), where a failed read is the worker's to report."""
+        self._check_open()
+        return self._pin(_check_keys(keys), session)
+
+    def read_load(self, h: LoadHandle, outs: list[np.ndarray] | None = None) -> int:
+        """Read a pinned load's NVMe blocks (into fresh DRAM slots when there is room, else into
+        ``outs[i]`` or a private buffer). A failed or corrupt read ends the prefix there: returns
+        the number of leading blocks now readable through ``views``."""
+        if h.done:
+            raise RuntimeError("read_load after end_load")
+        self._read_pinned(h, outs)
+        return h.num_blocks
+
+    def _pin(self, keys: list[bytes], session: str | None, failpoint: bool = True) -> LoadHandle:
+        if failpoint:
+            failpoints.fire("store.pin", store=self, keys=keys)
+            self._check_open()  # the failpoint may have closed it
         dram, nv = self.dram, self.nvme
         n_keys = len(keys)
         # pin without counting hits, find the prefix, then count only the blocks that are used
@@ -515,32 +541,51 @@ class KVStore:
         if nv is not None:
             nv.release(nentries[n:])
             nv.touch(nentries[:n], session)
-        views: list[np.ndarray | None] = [None] * n
-        entries: list[Entry | None] = [None] * n
-        tier_of = ["dram" if dentries[i] is not None else "nvme" for i in range(n)]
+        h = LoadHandle(keys, n, [None] * n, list(dentries[:n]),
+                       ["dram" if dentries[i] is not None else "nvme" for i in range(n)])
         for i in range(n):
             if dentries[i] is not None:
-                views[i] = dram.view(dentries[i])
-                entries[i] = dentries[i]
-        nv_idx = [i for i in range(n) if dentries[i] is None]
-        if nv_idx:
-            got = self._promote([nentries[i] for i in nv_idx],
-                                [outs[i] for i in nv_idx] if outs is not None else None)
-            bad = next((j for j, (_, _, ok) in enumerate(got) if not ok), None)
-            for j, (i, (v, de, ok)) in enumerate(zip(nv_idx, got)):
-                views[i] = v
-                entries[i] = de
-            if bad is not None:
-                cut = nv_idx[bad]
-                self.metrics.failed.labels("nvme", "read").inc(1)
-                if dram is not None:
-                    dram.release([e for e in entries[cut:] if e is not None])
-                views, entries, tier_of, n = views[:cut], entries[:cut], tier_of[:cut], cut
-            self.metrics.bytes_out.labels("nvme").inc(sum(1 for t in tier_of if t == "nvme") * self.block_bytes)
-        self.metrics.bytes_out.labels("dram").inc(sum(1 for t in tier_of if t == "dram") * self.block_bytes)
-        deepest = "nvme" if "nvme" in tier_of else "dram"
-        self.metrics.get_latency.labels(deepest).observe(time.perf_counter() - t0)
-        return LoadHandle(keys, n, views, entries, tier_of)
+                h.views[i] = dram.view(dentries[i])
+            else:
+                h.unread[i] = nentries[i]
+        return h
+
+    def _read_pinned(self, h: LoadHandle, outs: list[np.ndarray] | None) -> None:
+        if h.read:
+            return
+        h.read = True
+        if not h.unread:
+            self.metrics.bytes_out.labels("dram").inc(h.num_blocks * self.block_bytes)
+            return
+        t0 = time.perf_counter()
+        dram = self.dram
+        nv_idx = sorted(h.unread)
+        nentries = [h.unread.pop(i) for i in nv_idx]
+        try:
+            failpoints.fire("store.read", store=self, keys=[h.keys[i] for i in nv_idx])
+            got = self._promote(nentries, [outs[i] for i in nv_idx] if outs is not None else None)
+        except BaseException:
+            self.nvme.release(nentries)
+            self._cut(h, nv_idx[0])
+            raise
+        bad = next((j for j, (_, _, ok) in enumerate(got) if not ok), None)
+        for i, (v, de, ok) in zip(nv_idx, got):
+            h.views[i] = v
+            h.entries[i] = de
+        if bad is not None:
+            self.metrics.failed.labels("nvme", "read").inc(1)
+            self._cut(h, nv_idx[bad])
+        self.metrics.bytes_out.labels("nvme").inc(sum(1 for t in h.tier_of if t == "nvme") * self.block_bytes)
+        self.metrics.bytes_out.labels("dram").inc(sum(1 for t in h.tier_of if t == "dram") * self.block_bytes)
+        self.metrics.get_latency.labels("nvme").observe(time.perf_counter() - t0)
+
+    def _cut(self, h: LoadHandle, cut: int) -> None:
+        """End a load's prefix at block ``cut`` (a read failed there): unpin what lies beyond."""
+        if self.dram is not None:
+            self.dram.release([e for e in h.entries[cut:] if e is not None])
+        if h.unread and self.nvme is not None:
+            self.nvme.release([h.unread.pop(i) for i in sorted(h.unread) if i >= cut])
+        h.views, h.entries, h.tier_of, h.num_blocks = h.views[:cut], h.entries[:cut], h.tier_of[:cut], cut
 
     def end_load(self, h: LoadHandle) -> None:
         if h.done:
@@ -548,6 +593,9 @@ class KVStore:
         h.done = True
         if self.dram is not None:
             self.dram.release([e for e in h.entries if e is not None])
+        if h.unread and self.nvme is not None:  # pinned, never read (the load was dropped)
+            self.nvme.release(list(h.unread.values()))
+            h.unread.clear()
         self._update_gauges()
 
     def _promote(self, nentries: list[Entry], outs: list[np.ndarray] | None):
@@ -604,8 +652,9 @@ class KVStore:
             return f
 
         def job() -> int:
-            h = self._begin_load(keys, None, None)
+            h = self._pin(keys, None, failpoint=False)
             try:
+                self._read_pinned(h, None)
                 return sum(1 for t in h.tier_of if t == "nvme")
             finally:
                 self.end_load(h)

@@ -41,14 +41,24 @@ class KVStoreMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _tp_rank(vllm_config: "VllmConfig") -> tuple[int, int]:
+def _tp_rank(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[int, int]:
+    """(rank, size). A worker must know its tensor-parallel rank (its keys carry it): failing to
+    get it is an error at start-up, never a silent rank 0 that would mix ranks' blocks. The
+    scheduler side asks rank 0's store, so its fingerprint says rank 0."""
     size = vllm_config.parallel_config.tensor_parallel_size
+    if role != KVConnectorRole.WORKER:
+        return 0, size
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        return get_tensor_model_parallel_rank(), size
-    except Exception:  # scheduler process: no TP group
-        return 0, size
+        rank = int(get_tensor_model_parallel_rank())
+    except Exception as e:
+        if size == 1:
+            return 0, 1  # no TP group is needed to know the only rank
+        raise RuntimeError(f"kvstore: cannot get this worker's tensor-parallel rank (size {size}): {e}") from e
+    if not 0 <= rank < size:
+        raise RuntimeError(f"kvstore: tensor-parallel rank {rank} is outside 0..{size - 1}")
+    return rank, size
 
 
 def block_packing(vllm_config: "VllmConfig", spec) -> str:
@@ -72,7 +82,8 @@ def block_packing(vllm_config: "VllmConfig", spec) -> str:
     return f"vllm_cpu-{isa}"
 
 
-def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", codec: str) -> tuple[ModelFingerprint, int, list[str]]:
+def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", codec: str,
+                      role: KVConnectorRole = KVConnectorRole.WORKER) -> tuple[ModelFingerprint, int, list[str]]:
     """(fingerprint, bytes per block across layers, layer names in order)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -81,7 +92,7 @@ def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     spec = groups[0].kv_cache_spec
     layers = list(groups[0].layer_names)
     mc = vllm_config.model_config
-    rank, size = _tp_rank(vllm_config)
+    rank, size = _tp_rank(vllm_config, role)
     fp = ModelFingerprint(
         model=str(mc.model), revision=str(mc.revision or ""), dtype=str(spec.dtype),
         layout=f"kvblock-v{kvcopy.STORE_FORMAT_VERSION}.{block_packing(vllm_config, spec)}",
@@ -126,7 +137,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = load_config(overrides=extra)
         codec = f"dram={self.config.tiers.dram.codec},nvme={self.config.tiers.nvme.codec}"  # lossy never serves lossless
-        self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec)
+        self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec, role)
         self.block_size = self.fingerprint.block_size
         engine = str(ktc.engine_id)
         self.planner: Planner | None = None

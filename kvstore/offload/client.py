@@ -27,7 +27,7 @@ class StoreClient(Protocol):
 
     def end_load(self, handle_id: int) -> None: ...
 
-    def record_lookup(self, prompt_tokens: int, local_tokens: int) -> None: ...
+    def record_lookup(self, prompt_tokens: int, local_tokens: int, errors: int = 0) -> None: ...
 
     def record_alloc(self, req_id: str, prompt_tokens: int, local: int, promised: int, got: int,
                      tiers: Sequence[str]) -> None: ...
@@ -75,7 +75,7 @@ class LocalClient:
             return False
 
     def begin_load(self, keys, session=None) -> tuple[int, int, tuple[str, ...]]:
-        h = self.store.begin_load(keys, session=session)
+        h = self.store.pin_load(keys, session=session)  # no I/O here: the worker reads (Mover.load)
         return self.shared.put_handle(h), h.num_blocks, tuple(h.tier_of)
 
     def end_load(self, handle_id: int) -> None:
@@ -83,18 +83,16 @@ class LocalClient:
         if h is not None:
             self.store.end_load(h)
 
-    def record_lookup(self, prompt_tokens: int, local_tokens: int) -> None:
+    def record_lookup(self, prompt_tokens: int, local_tokens: int, errors: int = 0) -> None:
         m = self.shared.metrics
+        if errors:  # the scheduler side's failed calls since its last report
+            m.store_errors.labels("scheduler").inc(errors)
         m.requests.inc()
         m.prompt_tokens.inc(prompt_tokens)
         m.engine_cached_tokens.inc(local_tokens)
 
     def record_alloc(self, req_id, prompt_tokens, local, promised, got, tiers) -> None:
         m = self.shared.metrics
-        for t in tiers:
-            m.loaded_tokens.labels(t).inc(self.store.block_tokens)
-        if got < promised:
-            m.failed_tokens.inc(promised - got)
         m.recomputed_tokens.inc(max(0, prompt_tokens - local - got))
         self.shared.request_log.append((req_id, prompt_tokens, local, got, tuple(tiers)))
 

@@ -21,6 +21,12 @@ class OffloadMetrics:
                                          "Prompt tokens the engine had to compute", registry=r)
         self.failed_tokens = Counter("kvstore_engine_failed_load_tokens",
                                      "Tokens promised but not loaded (recomputed instead)", registry=r)
+        self.store_errors = Counter("kvstore_engine_store_errors",
+                                    "Store calls that failed (a miss, a recompute or a skipped store)", ["op"],
+                                    registry=r)
+        self.skipped_blocks = Counter("kvstore_engine_store_skipped_blocks",
+                                      "Blocks not stored, by reason (failed_load: computed over a failed load)",
+                                      ["reason"], registry=r)
         self.stored_blocks = Counter("kvstore_engine_stored_blocks", "Blocks saved from the engine", registry=r)
         self.load_seconds = Histogram("kvstore_engine_load_seconds", "Worker-side load time per step",
                                       buckets=LATENCY_BUCKETS, registry=r)

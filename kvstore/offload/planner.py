@@ -11,11 +11,24 @@ were handed to the store, and a pinned load if one is planned.
   store (two-phase: they cannot be evicted before the worker copied them).
 * ``build_step``: load plans for newly scheduled hits, store plans for every block that
   becomes full in this step (prompt blocks *and* blocks completed during decode).
+
+Cache truth under failure. A block is stored only when its KV is known good:
+
+* The worker drops, within the step, every store at or after a block whose load failed in
+  that step (the request's own, or a block it shares): ``StorePlan.prior_ids`` carries the
+  block table before the stored blocks whenever the step loads anything.
+* When vLLM rewinds a request (a failed load truncates its computed tokens at the first bad
+  block; a preempted request restarts from its cache hits), the "already saved" mark rolls back
+  to what the engine says is computed, so the recomputed blocks are stored and the cache heals.
+* A store that cannot be reached is a miss: every call to it is guarded, and a load that
+  could not be pinned is still planned (with no handle) so the worker reports its blocks as
+  failed and the engine recomputes them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,8 +43,10 @@ log = logging.getLogger(__name__)
 class LoadPlan:
     req_id: str
     block_ids: list[int]  # engine blocks to fill, in prefix order
-    handle_id: int  # the pinned LoadHandle in the shared store
+    handle_id: int  # the pinned LoadHandle in the shared store (0: none, every block fails)
     num_tokens: int
+    first: int = 0  # position of block_ids[0] in the request's block table
+    tiers: tuple[str, ...] = ()  # the tier each block was found in (for the served-tokens counters)
 
 
 @dataclass
@@ -39,6 +54,8 @@ class StorePlan:
     req_id: str
     block_ids: list[int]
     keys: list[bytes]
+    start: int = 0  # position of block_ids[0] in the request's block table
+    prior_ids: list[int] = field(default_factory=list)  # block_ids before ``start`` (steps that load)
 
 
 @dataclass
@@ -58,7 +75,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
     prefetch: int | None = None  # token of a running prefetch (client.prefetch_done)
-    load: tuple[int, int, int] | None = None  # (handle_id, first block, n blocks), until planned
+    load: tuple | None = None  # (handle_id, first block, n blocks, tiers), until planned
     looked_up: bool = False
     num_local: int = 0  # tokens the engine had in its own prefix cache at the lookup
     origin: tuple[str, ...] = ()  # tier of each matched block before any prefetch
@@ -77,6 +94,19 @@ class Planner:
         self.bs = block_size
         self.prefetch_enabled = prefetch
         self.reqs: dict[str, RequestState] = {}
+        self.errors = 0  # store calls that failed (each one a miss or a failed load)
+        self._unreported = 0
+        self._last_warn = 0.0
+        self.rollbacks = 0  # times vLLM rewound a request below its saved mark
+
+    def _failed(self, op: str, e: BaseException) -> None:
+        self.errors += 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._last_warn > 10.0:  # a dead store must not flood the log
+            self._last_warn = now
+            log.warning("kvstore: store call %s failed (%s: %s); treated as a miss (%d failures so far)",
+                        op, type(e).__name__, e, self.errors)
 
     # -- keys ----------------------------------------------------------------------------------
     def _mm_extra(self, st: RequestState, start: int, n: int) -> list | None:
@@ -115,6 +145,14 @@ class Planner:
         st.num_local = num_computed
         if not st.cacheable:
             return 0
+        try:
+            return self._lookup(st, num_computed)
+        except Exception as e:  # the store is unreachable or closed: a miss, never an engine error
+            self._failed("lookup", e)
+            st.prefetch = -1
+            return 0
+
+    def _lookup(self, st: RequestState, num_computed: int) -> int | None:
         max_blocks = max(0, (st.num_prompt_tokens - 1) // self.bs)
         keys = self.keys_upto(st, max_blocks)
         if st.prefetch is not None and st.prefetch >= 0:
@@ -130,7 +168,8 @@ class Planner:
         if not st.looked_up:  # count each request once, at its decision
             st.looked_up = True
             self.client.contains_prefix(keys, record=True, num_tokens=st.num_prompt_tokens)
-            self.client.record_lookup(st.num_prompt_tokens, num_computed)
+            errors, self._unreported = self._unreported, 0
+            self.client.record_lookup(st.num_prompt_tokens, num_computed, errors)
         hit = m.num_blocks * self.bs
         return max(0, hit - num_computed)
 
@@ -139,21 +178,34 @@ class Planner:
         num_computed = st.num_local
         self._drop_load(st)
         if num_external <= 0:
-            self.client.record_alloc(st.req_id, st.num_prompt_tokens, num_computed, 0, 0, ())
+            self._guard("record_alloc", self.client.record_alloc, st.req_id, st.num_prompt_tokens, num_computed,
+                        0, 0, ())
             return
         first = num_computed // self.bs
         n = num_external // self.bs
         keys = self.keys_upto(st, first + n)[first:first + n]
-        hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id)
+        try:
+            hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id)
+        except Exception as e:  # promised but not pinned: plan it anyway, the worker fails every block
+            self._failed("begin_load", e)
+            hid, got_blocks, tier_of = 0, 0, ()
         # attribute each block to the tier it was found in (a prefetch may have moved it)
         tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
-        self.client.record_alloc(st.req_id, st.num_prompt_tokens, num_computed, num_external,
-                                 got_blocks * self.bs, tiers)
-        st.load = (hid, first, n)
+        self._guard("record_alloc", self.client.record_alloc, st.req_id, st.num_prompt_tokens, num_computed,
+                    num_external, got_blocks * self.bs, tiers)
+        st.load = (hid, first, n, tiers)
+
+    def _guard(self, op: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:
+            self._failed(op, e)
+            return None
 
     def _drop_load(self, st: RequestState) -> None:
         if st.load is not None:
-            self.client.end_load(st.load[0])
+            if st.load[0]:
+                self._guard("end_load", self.client.end_load, st.load[0])
             st.load = None
 
     def build_step(self, new: Sequence[tuple[str, list[int], int]],
@@ -177,25 +229,35 @@ class Planner:
             elif new_ids:
                 st.block_ids.extend(new_ids)
             self._plan_req(plan, st, computed, num_scheduled.get(rid, 0))
+        if plan.loads:  # the worker drops stores computed over a block that fails to load
+            for sp in plan.stores:
+                st = self.reqs[sp.req_id]
+                sp.prior_ids = st.block_ids[:sp.start]
         return plan
 
     def _plan_req(self, plan: StepPlan, st: RequestState, computed: int, scheduled: int) -> None:
         if st.load is not None:
-            hid, first, n = st.load
+            hid, first, n, tiers = st.load
             st.load = None
             ids = st.block_ids[first:first + n]
             if len(ids) < n:  # should not happen; never load into blocks we do not know
                 log.warning("kvstore: request %s has %d blocks, expected %d", st.req_id, len(ids), first + n)
-                self.client.end_load(hid)
+                if hid:
+                    self._guard("end_load", self.client.end_load, hid)
             else:
-                plan.loads.append(LoadPlan(st.req_id, ids, hid, n * self.bs))
+                plan.loads.append(LoadPlan(st.req_id, ids, hid, n * self.bs, first, tuple(tiers)))
         if not st.cacheable:
             return
+        if computed < st.saved_blocks * self.bs:
+            # vLLM rewound the request (a failed load truncated it at the first bad block, or it
+            # was preempted): what it recomputes from here is stored again, once it is good
+            st.saved_blocks = computed // self.bs
+            self.rollbacks += 1
         full = min((computed + scheduled) // self.bs, len(st.tokens) // self.bs, len(st.block_ids))
         if full > st.saved_blocks:
             keys = self.keys_upto(st, full)
             start = st.saved_blocks
-            plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full]))
+            plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full], start))
             st.saved_blocks = full
 
     def finished(self, req_id: str) -> None:

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 
+from kvstore import failpoints
 from kvstore.offload.client import LocalClient
 from kvstore.offload.shared import SharedStore
 from kvstore.store import PrefixMatch
@@ -68,6 +69,7 @@ class _Handler(socketserver.BaseRequestHandler):
         while True:
             try:
                 msg = _recv(self.request)
+                failpoints.fire("rpc.serve", sock=self.request)
             except (ConnectionError, OSError, ValueError):
                 return
             try:
@@ -85,7 +87,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 elif op == "end_load":
                     res = c.end_load(int(a["handle"]))
                 elif op == "record_lookup":
-                    res = c.record_lookup(int(a["prompt_tokens"]), int(a["local_tokens"]))
+                    res = c.record_lookup(int(a["prompt_tokens"]), int(a["local_tokens"]), int(a.get("errors", 0)))
                 elif op == "record_alloc":
                     res = c.record_alloc(str(a["req_id"]), int(a["prompt_tokens"]), int(a["local"]),
                                          int(a["promised"]), int(a["got"]), list(a["tiers"]))
@@ -135,28 +137,72 @@ class StoreServer:
 
 
 class RemoteClient:
-    """The scheduler side's view of a store in another process."""
+    """The scheduler side's view of a store in another process.
 
-    def __init__(self, name: str, timeout_s: float = 120.0):
+    A call that fails (the socket closed, the worker gone, no answer within ``timeout_s``)
+    raises ConnectionError at once, which the planner turns into a miss; the socket is dropped
+    and the next call after a back-off (0.1 s doubling to 5 s) connects again. The scheduler
+    never waits on a dead store longer than one timeout.
+    """
+
+    def __init__(self, name: str, connect_timeout_s: float = 120.0, timeout_s: float = 10.0):
         self.path = socket_path(name)
-        deadline = time.monotonic() + timeout_s
-        while True:
+        self.timeout_s = timeout_s
+        self.sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._backoff = 0.1
+        self._retry_at = 0.0
+        self.failures = 0
+        deadline = time.monotonic() + connect_timeout_s
+        while True:  # at start-up the worker may not serve yet: wait for it
             try:
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.connect(self.path)
+                self._connect()
                 break
             except OSError:
-                self.sock.close()
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"kvstore: no store is serving {self.path} (is the worker-side "
                                           "KVStoreConnector running?)") from None
                 time.sleep(0.05)
-        self._lock = threading.Lock()
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout_s)
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+        self.failures += 1
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(5.0, self._backoff * 2)
 
     def _call(self, op: str, **args):
         with self._lock:
-            _send(self.sock, {"op": op, "args": args})
-            r = _recv(self.sock)
+            if self.sock is None:
+                if time.monotonic() < self._retry_at:
+                    raise ConnectionError("kvstore rpc: store unreachable (reconnecting)")
+                try:
+                    self._connect()
+                except OSError as e:
+                    self._drop()
+                    raise ConnectionError(f"kvstore rpc: reconnect failed: {e}") from None
+                log.info("kvstore rpc: reconnected to %s", self.path)
+            try:
+                _send(self.sock, {"op": op, "args": args})
+                r = _recv(self.sock)
+            except (OSError, ValueError) as e:  # ConnectionError and socket timeouts are OSErrors
+                self._drop()
+                raise ConnectionError(f"kvstore rpc {op}: {type(e).__name__}: {e}") from None
+            self._backoff = 0.1
         if not r.get("ok"):
             raise RuntimeError(f"kvstore rpc {op}: {r.get('error')}")
         return r.get("result")
@@ -179,15 +225,18 @@ class RemoteClient:
     def end_load(self, handle_id: int) -> None:
         self._call("end_load", handle=handle_id)
 
-    def record_lookup(self, prompt_tokens: int, local_tokens: int) -> None:
-        self._call("record_lookup", prompt_tokens=prompt_tokens, local_tokens=local_tokens)
+    def record_lookup(self, prompt_tokens: int, local_tokens: int, errors: int = 0) -> None:
+        self._call("record_lookup", prompt_tokens=prompt_tokens, local_tokens=local_tokens, errors=errors)
 
     def record_alloc(self, req_id, prompt_tokens, local, promised, got, tiers) -> None:
         self._call("record_alloc", req_id=req_id, prompt_tokens=prompt_tokens, local=local, promised=promised,
                    got=got, tiers=list(tiers))
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        with self._lock:
+            if self.sock is not None:
+                try:
+                    self.sock.close()
+                except OSError:
+                    pass
+                self.sock = None

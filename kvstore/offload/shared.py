@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,6 +17,11 @@ from kvstore.config import StoreConfig
 from kvstore.keys import ModelFingerprint
 from kvstore.offload.metrics import OffloadMetrics
 from kvstore.store import KVStore, LoadHandle
+
+
+# A load is planned in the scheduler step that pinned it; a pin this old was orphaned (e.g. the
+# scheduler's end_load call was lost with its socket) and is released.
+HANDLE_MAX_AGE_S = 300.0
 
 
 @dataclass
@@ -34,7 +40,11 @@ class SharedStore:
         with self.lock:
             self._next += 1
             self.handles[self._next] = h
-            return self._next
+            stale = [i for i, x in self.handles.items() if time.perf_counter() - x.started > HANDLE_MAX_AGE_S]
+            old = [self.handles.pop(i) for i in stale]
+        for x in old:  # pinned for a load the scheduler never planned nor dropped (its call failed)
+            self.store.end_load(x)
+        return self._next
 
     def take_handle(self, hid: int) -> LoadHandle | None:
         with self.lock:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 
-from kvstore import fileformat as ff
+from kvstore import failpoints, fileformat as ff
 from kvstore.codecs import Codec, CodecError
 from kvstore.index import Entry
 from kvstore.memory import alloc_aligned, as_bytes as _as_bytes, is_aligned
@@ -381,6 +381,7 @@ class NvmeTier(Tier):
                 self._bad(leaf, name, "open_failed", str(e))
                 return False
             try:
+                failpoints.fire("nvme.read", path=name)
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise ff.BadBlockFile("not_a_file")

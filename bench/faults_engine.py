@@ -1,0 +1,378 @@
+"""Engine-level faults: a real vLLM engine with KVStoreConnector, a fault injected after the
+store is filled, then followed through the requests *after* it (the bug this catches: a failed
+load whose step stored KV computed over garbage, served to every later request).
+
+One driver process runs one engine (in-process or vLLM's multiprocess executor, DRAM tier on
+or off) through every fault, each on its own prompts:
+
+1. fill: turn 0 of three agent sessions that share a system prompt (the fault's own);
+2. (DRAM on) a flush workload pushes those blocks out of DRAM: hits must come from files;
+3. the fault: damage the files on disk, or arm a failpoint (:mod:`kvstore.failpoints`) through
+   a control file the engine's processes read;
+4. two append-only follow-up turns of the three sessions (6 requests; vLLM's own prefix cache
+   is reset before each batch, so every hit is kvstore's);
+5. the heal check: one more turn, which must be a full kvstore hit again.
+
+Outputs are compared with a reference run of the same requests through vLLM's own prefix cache
+(``--reference``, no faults, no resets), and every block left in the fault run's folder with
+the reference folder's block under the same key (``poisoned_stores``: a block whose KV differs).
+
+    python -m bench.faults_engine --reference --model M --out ref.json --store REF
+    python -m bench.faults_engine --model M --ref ref.json --ref-store REF --store S --dram 1 \
+        [--mp] --out res.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+BS = 32
+MAX_TOKENS = 16
+# name -> (what, how): "file" damages files on disk; "fp" arms a failpoint; which modes it applies to
+FAULTS: dict[str, dict] = {
+    "payload": {"file": "payload"},
+    "header": {"file": "header"},
+    "truncated": {"file": "truncated"},
+    "replaced": {"file": "replaced"},
+    "deleted": {"fp": "store.read=unlink*1"},
+    "rewritten": {"fp": "store.read=rewrite*1"},
+    "unreadable": {"fp": "nvme.read=eio*2"},
+    "dram_slot_lost": {"fp": "store.pin=drop_blocks*1", "dram": True, "hot": True},
+    "scatter_error": {"fp": "mover.scatter=raise*1", "hot": True},
+    "rpc_socket": {"fp": "rpc.serve=close*3", "mp": True, "hot": True},
+    "tier_shut_down": {"fp": "store.pin=close_store*1", "last": True, "hot": True},
+}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
+
+
+def workload(i: int) -> dict:
+    """Fault ``i``'s prompts: a system prompt shared by three sessions, and each turn's new text."""
+    system = prompt(200, 1000 + i)
+    return {"system": system, "user": [[prompt(40 + 8 * s, 2000 + 100 * i + 10 * t + s) for s in range(3)]
+                                        for t in range(4)]}
+
+
+# -- the engine ------------------------------------------------------------------------------------
+class Engine:
+    def __init__(self, model: str, store: str, *, dram_gb: float, mp: bool, port: int | None,
+                 connector: bool = True, prefix_caching: bool = True):
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kw = dict(enforce_eager=True, block_size=BS, max_model_len=4096, dtype="float32", seed=0,
+                  enable_prefix_caching=prefix_caching)
+        if mp:
+            kw["distributed_executor_backend"] = "mp"  # worker in its own process: the store is reached over RPC
+        if connector:
+            cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
+                             "nvme": {"path": store, "capacity_gb": 1, "ttl_s": None}},
+                   "metrics": {"port": port}}
+            kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
+                                                        kv_connector_extra_config=cfg)
+        self.llm = LLM(model, **kw)
+        self.port = port
+
+    def generate(self, prompts, reset: bool):
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+        if reset:
+            self.llm.reset_prefix_cache()
+        return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
+
+    def metrics(self) -> dict[str, float]:
+        if not self.port:
+            return {}
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, v = line.rpartition(" ")
+                try:
+                    out[name] = float(v)
+                except ValueError:
+                    pass
+        return out
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def store_identity(m: dict) -> tuple[bytes, str] | None:
+    for k in m:
+        if k.startswith("kvstore_store_info{"):
+            root = re.search(r'root="([0-9a-f]+)"', k).group(1)
+            ns = re.search(r'namespace="([0-9a-f]+)"', k).group(1)
+            return bytes.fromhex(root), ns
+    return None
+
+
+# -- files -----------------------------------------------------------------------------------------
+def block_files(store: str, keys: list[bytes]) -> list[Path]:
+    out = []
+    for k in keys:
+        h = k.hex()
+        out += list(Path(store).glob(f"kvstore-*/{h[:2]}/{h[2:4]}/{h}.kvb"))
+    return out
+
+
+def damage(files: list[Path], how: str) -> int:
+    from kvstore import fileformat as ff
+
+    n = 0
+    for i, f in enumerate(files):
+        if not f.exists():
+            continue
+        xattr = ff.XATTR in os.listxattr(f)
+        size = f.stat().st_size
+        if how == "payload":  # a run of bytes flipped in the payload, header intact
+            off = (0 if xattr else ff.HEADER_BYTES) + 1000
+            with open(f, "r+b") as fh:
+                fh.seek(off)
+                b = fh.read(64)
+                fh.seek(off)
+                fh.write(bytes(x ^ 0x5A for x in b))
+        elif how == "header":
+            if xattr:
+                h = bytearray(os.getxattr(f, ff.XATTR))
+                h[20] ^= 0xFF
+                os.setxattr(f, ff.XATTR, bytes(h))
+            else:
+                with open(f, "r+b") as fh:
+                    fh.seek(20)
+                    b = fh.read(1)
+                    fh.seek(20)
+                    fh.write(bytes([b[0] ^ 0xFF]))
+        elif how == "truncated":
+            os.truncate(f, size // 2)
+        elif how == "replaced":  # another key's valid file, renamed over this one
+            other = files[(i + 1) % len(files)]
+            if other == f:
+                continue
+            tmp = f.with_suffix(".swap")
+            tmp.write_bytes(other.read_bytes())
+            if xattr:
+                os.setxattr(tmp, ff.XATTR, os.getxattr(other, ff.XATTR))
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, f)
+        n += 1
+    return n
+
+
+def payloads(store: str) -> dict[bytes, np.ndarray]:
+    """Every valid block file's payload, by key (header and checksum checked)."""
+    from kvstore import fileformat as ff
+    from kvstore.tiers.nvme import read_header
+
+    out = {}
+    for f in Path(store).glob("kvstore-*/??/??/*.kvb"):
+        try:
+            h = read_header(f)
+            data = f.read_bytes()
+        except Exception:
+            continue
+        off = 0 if ff.XATTR in os.listxattr(f) else ff.HEADER_BYTES
+        payload = data[off:off + h.payload_len]
+        if len(payload) == h.payload_len and ff.checksum(np.frombuffer(payload, np.uint8)) == h.checksum:
+            out[h.key] = np.frombuffer(payload, np.uint8)
+    return out
+
+
+def poisoned(store: str, ref_store: str) -> tuple[int, int, int]:
+    """(blocks compared, blocks whose KV differs from the reference's under the same key, not comparable)."""
+    mine, ref = payloads(store), payloads(ref_store)
+    compared = bad = unknown = 0
+    for k, v in mine.items():
+        r = ref.get(k)
+        if r is None or r.size != v.size:
+            unknown += 1
+            continue
+        compared += 1
+        a, b = v.view(np.float32), r.view(np.float32)
+        if not np.allclose(a, b, rtol=1e-3, atol=1e-3, equal_nan=True):
+            bad += 1
+    return compared, bad, unknown
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def faults_for(dram: bool, mp: bool, only: list[str] | None) -> list[str]:
+    out = []
+    for name, f in FAULTS.items():
+        if only and name not in only:
+            continue
+        if f.get("dram") and not dram or f.get("mp") and not mp:
+            continue
+        out.append(name)
+    return sorted(out, key=lambda n: FAULTS[n].get("last", False))
+
+
+def flush_prompts() -> list[list[int]]:
+    return [prompt(1200, 9000 + i) for i in range(4)]  # 148 blocks: more than the DRAM tier's 80
+
+
+def run_reference(model: str, store: str, names: list[str]) -> dict:
+    """vLLM's own prefix cache on the same requests (no resets); the connector stores clean KV."""
+    e = Engine(model, store, dram_gb=DRAM_GB, mp=False, port=None)
+    ref: dict = {}
+    try:
+        for i, name in enumerate(FAULTS):
+            w = workload(i)
+            prompts = [w["system"] + w["user"][0][s] for s in range(3)]
+            turns = []
+            for t in range(4):
+                outs, _ = e.generate(prompts, reset=False)
+                turns.append({"prompts": prompts, "outputs": outs})
+                if t < 3:
+                    prompts = [p + o + w["user"][t + 1][s] for s, (p, o) in enumerate(zip(prompts, outs))]
+            ref[name] = turns
+        e.generate(flush_prompts(), reset=False)
+    finally:
+        e.close()
+    return ref
+
+
+DRAM_GB = 80 * 128 * 1024 / 2 ** 30  # 80 blocks of the tiny model's 128 KiB
+
+
+def set_failpoints(ctl: str, spec: str) -> None:
+    tmp = ctl + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(spec)
+    os.replace(tmp, ctl)
+    time.sleep(0.01)  # a new mtime for the readers
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    return sum(v for k, v in after.items() if k.split("{")[0] == name) - \
+        sum(v for k, v in before.items() if k.split("{")[0] == name)
+
+
+def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool, mp: bool, ctl: str,
+               only: list[str] | None = None) -> dict:
+    names = faults_for(dram, mp, only)
+    port = free_port()
+    e = Engine(model, store, dram_gb=DRAM_GB if dram else 0, mp=mp, port=port)
+    res: dict = {"mode": "mp" if mp else "inproc", "dram": dram, "faults": {}}
+    try:
+        m0 = e.metrics()
+        ident = store_identity(m0)
+        assert ident is not None, "the store's metrics are not served"
+        root = ident[0]
+        from kvstore.keys import chain_keys
+
+        for name in names:  # 1. fill
+            turn0 = ref[name][0]
+            outs, _ = e.generate(turn0["prompts"], reset=True)
+            res["faults"][name] = {"fill_identical": outs == turn0["outputs"]}
+        if dram:  # 2. push the fills out of DRAM (demoted to files)
+            e.generate(flush_prompts(), reset=True)
+        for name in names:
+            f, r = FAULTS[name], res["faults"][name]
+            turns = ref[name]
+            keys = sorted({k for p in turns[0]["prompts"] + turns[1]["prompts"]
+                           for k in chain_keys(root, p, BS)})
+            before = e.metrics()
+            if "file" in f:  # 3. the fault
+                r["files_damaged"] = damage(block_files(store, keys), f["file"])
+            else:
+                set_failpoints(ctl, f["fp"])
+            wrong, cached = 0, []
+            for t in (1, 2):  # 4. follow-ups
+                outs, c = e.generate(turns[t]["prompts"], reset=True)
+                wrong += sum(1 for a, b in zip(outs, turns[t]["outputs"]) if a != b)
+                cached.append(c)
+            set_failpoints(ctl, "")
+            outs, c = e.generate(turns[3]["prompts"][:1], reset=True)  # 5. healed?
+            wrong += int(outs[0] != turns[3]["outputs"][0])
+            # what a run without the fault hits: turn 2's prompt and the output tokens with KV
+            full = min((len(turns[2]["prompts"][0]) + MAX_TOKENS - 1) // BS, (len(turns[3]["prompts"][0]) - 1) // BS) * BS
+            after = e.metrics()
+            bt = BS
+            r.update({
+                "follow_ups": 7, "wrong_outputs": wrong, "follow_ups_identical": wrong == 0,
+                "cached_tokens": cached + [c],
+                "healed": c[0] == full, "heal_hit_tokens": c[0], "heal_full_tokens": full,
+                "loads_failed_blocks": int(delta(after, before, "kvstore_engine_failed_load_tokens_total") // bt),
+                "tokens_recomputed": int(delta(after, before, "kvstore_engine_recomputed_tokens_total")),
+                "blocks_stored_again": int(delta(after, before, "kvstore_engine_stored_blocks_total")),
+                "stores_skipped_failed_load": int(delta(after, before, "kvstore_engine_store_skipped_blocks_total")),
+                "store_errors": int(delta(after, before, "kvstore_engine_store_errors_total")),
+                "corrupt_files": int(delta(after, before, "kvstore_corrupt_files_total")),
+                "metrics_seen": bool(after),
+            })
+            if not after:  # the store (and its metrics endpoint) is gone
+                for k in ("loads_failed_blocks", "tokens_recomputed", "blocks_stored_again",
+                          "stores_skipped_failed_load", "store_errors", "corrupt_files"):
+                    r[k] = None
+            if FAULTS[name].get("last"):
+                r["healed"] = None  # the store is gone for good: nothing can hit again
+    finally:
+        set_failpoints(ctl, "")
+        e.close()
+    compared, bad, unknown = poisoned(store, ref_store)
+    res.update({"blocks_compared": compared, "poisoned_stores": bad, "blocks_not_in_reference": unknown,
+                "corrupt_served": sum(r.get("wrong_outputs", 0) for r in res["faults"].values())})
+    return res
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--reference", action="store_true")
+    p.add_argument("--ref")
+    p.add_argument("--ref-store")
+    p.add_argument("--dram", type=int, default=1)
+    p.add_argument("--mp", action="store_true")
+    p.add_argument("--only", default="")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.reference:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        data = run_reference(a.model, a.store, list(FAULTS))
+    else:
+        ctl = os.environ.get("KVSTORE_FAILPOINTS", "")
+        assert ctl.startswith("@"), "run with KVSTORE_FAILPOINTS=@<control file> (see kvstore.failpoints)"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.mp else "0"
+        with open(a.ref) as f:
+            ref = json.load(f)
+        data = run_faults(a.model, a.store, ref, a.ref_store, dram=bool(a.dram), mp=a.mp, ctl=ctl[1:],
+                          only=[x for x in a.only.split(",") if x] or None)
+    with open(a.out, "w") as f:
+        json.dump(data, f)
+    print("RESULT " + json.dumps(data), flush=True)
+    return data
+
+
+if __name__ == "__main__":
+    main()
