@@ -21,6 +21,11 @@ One function per fault family; each returns a dict of figures:
    malformed traces: each must be refused with a clear error (ConfigError/ValueError/TraceError).
 8. ``permissions`` — the folders the other families left: files 0600, folders 0700, no
    symlink; bad keys refused; no pickling in the core.
+9. ``engine``      — real vLLM engines (bench/faults_engine.py): every way a load can fail,
+   injected after the store is filled and followed through the requests after it; DRAM tier
+   off and on, in-process and (long run) multiprocess. ``corrupt_served`` (follow-ups whose
+   output differs from vLLM's own prefix cache) and ``poisoned_stores`` (blocks left in the
+   store whose KV differs from a clean run's under the same key) must both be 0.
 
 ``--quick`` runs the CI-sized version. ``--json PATH`` writes every figure (the headline ones
 at the top level: crash_cycles, corrupt_reads_served, fuzz_inputs, fuzz_crashes,
@@ -71,7 +76,7 @@ SIZES = {
              "disk_full_mb": 8, "sharing_ops": 4_000, "churn_ops": 15_000},
 }
 HEADLINE = ("crash_cycles", "corrupt_reads_served", "fuzz_inputs", "fuzz_crashes", "disk_full_engine_errors",
-            "shared_wrong_reads", "rss_drift_mb", "fd_drift")
+            "shared_wrong_reads", "rss_drift_mb", "fd_drift", "corrupt_served", "poisoned_stores")
 
 
 # -- shared helpers --------------------------------------------------------------------------------
@@ -1239,10 +1244,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="parent folder for the scratch folders (default: a temp folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated families (crash,corruption,fuzz,disk_full,"
-                   "sharing,churn,bad_input,permissions)")
+                   "sharing,churn,bad_input,permissions,engine)")
 
 
-FAMILIES = ("crash", "corruption", "fuzz", "disk_full", "sharing", "churn", "bad_input", "permissions")
+FAMILIES = ("crash", "corruption", "fuzz", "disk_full", "sharing", "churn", "bad_input", "permissions", "engine")
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -1257,7 +1262,8 @@ def run(a: argparse.Namespace) -> dict:
     work = tempfile.mkdtemp(prefix="kvstore-faults-", dir=a.dir)
     os.chmod(work, 0o700)
     steps = {"crash": size["crash_cycles"], "corruption": 2 * size["corruption_rounds"], "fuzz": 100,
-             "disk_full": 1, "sharing": 1, "churn": size["churn_ops"], "bad_input": 1, "permissions": 1}
+             "disk_full": 1, "sharing": 1, "churn": size["churn_ops"], "bad_input": 1, "permissions": 1,
+             "engine": 3 if a.quick else 5}
     total = sum(v for k, v in steps.items() if k in only)
     bar, task = progress(total, "bench faults")
     import logging
@@ -1290,6 +1296,10 @@ def run(a: argparse.Namespace) -> dict:
             # (not corruption/fuzz: their folders hold the foreign files planted on purpose)
             go("permissions", lambda: permissions([Path(work, f) for f in ("crash", "sharing", "churn")],
                                                   advance=adv))
+            from bench import faults_engine
+
+            os.makedirs(Path(work, "engine"), mode=0o700, exist_ok=True)
+            go("engine", lambda: faults_engine.family(str(Path(work, "engine")), quick=a.quick, advance=adv))
     finally:
         kvlog.setLevel(old_level)
         shutil.rmtree(work, ignore_errors=True)
@@ -1305,6 +1315,10 @@ def run(a: argparse.Namespace) -> dict:
     rows += [{"family": "all", "figure": k, "value": figures.get(k)} for k in HEADLINE]
     print(markdown_table(rows, ["family", "figure", "value"]))
     print()
+    if families.get("engine", {}).get("rows"):  # per fault, per engine mode
+        er = families["engine"]["rows"]
+        print(markdown_table(er, list(er[0])))
+        print()
     print(markdown_table([{"family": f, "seconds": s} for f, s in timings.items()], ["family", "seconds"]))
     problems = problems_of(data)
     print("\nno problems found" if not problems else "\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))
@@ -1326,7 +1340,8 @@ def problems_of(data: dict) -> list[str]:
             "sharing": ["shared_wrong_reads", "shared_lost_writes", "shared_errors", "shared_orphans",
                         "shared_tmp_left"],
             "churn": ["churn_wrong_reads", "churn_errors"],
-            "permissions": ["perm_violations", "perm_key_path_escapes"]}
+            "permissions": ["perm_violations", "perm_key_path_escapes"],
+            "engine": ["corrupt_served", "poisoned_stores", "engine_not_healed"]}
     for f, keys in zero.items():
         for k in keys:
             if f in fam and fam[f].get(k):

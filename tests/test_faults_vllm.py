@@ -85,3 +85,25 @@ def test_two_vllm_engines_share_one_folder(tiny_model, tmp_path):
             st = os.lstat(p)
             assert not stat.S_ISLNK(st.st_mode)
             assert stat.S_IMODE(st.st_mode) == (0o700 if stat.S_ISDIR(st.st_mode) else 0o600), p
+
+
+def test_one_engine_deletes_and_rewrites_files_while_another_loads(tiny_model, tmp_path):
+    """Engine B's NVMe tier holds 12 blocks of the 40 its prompts need: it deletes files (its
+    evictions) and writes them again every round, in the folder engine A (no DRAM tier) reads
+    its hits from. A's outputs must never change; its vanished files are failed loads."""
+    store = str(tmp_path / "shared")
+    system = prompt(320, 40)
+    prompts = [system + prompt(60, 41 + i) for i in range(3)]
+    base = {"model": tiny_model, "store": store, "prompts": prompts, "max_tokens": 12}
+    first = _result(_start({**base, "rounds": 1, "dram_gb": 0}))  # fills the folder
+    ref = first["rounds"][0]["tokens"]
+    b = _start({**base, "rounds": 40, "dram_gb": 0, "nvme_gb": 12 * 135168 / 2 ** 30})  # outlasts A's 8
+    a = _start({**base, "rounds": 8, "dram_gb": 0})
+    ra, rb = _result(a), _result(b)
+    for r in (ra, rb):
+        for rnd in r["rounds"]:
+            assert rnd["tokens"] == ref  # 0 wrong outputs in either engine
+    nv = ra["counters"]["nvme"]
+    print(ra["counters"])
+    # A met the other engine's deletes and rewrites: missing or replaced files, failed loads
+    assert nv.get("missing", 0) + nv.get("corrupt", 0) + ra["counters"]["failed_load_tokens"] > 0, ra["counters"]

@@ -24,7 +24,7 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     extra = {"tiers": {"dram": {"capacity_gb": job.get("dram_gb", 0.05), "ttl_s": None},
-                       "nvme": {"path": job["store"], "capacity_gb": 1, "ttl_s": None}}}
+                       "nvme": {"path": job["store"], "capacity_gb": job.get("nvme_gb", 1), "ttl_s": None}}}
     ktc = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if job.get("module_path"):
         ktc["kv_connector_module_path"] = "connectors.vllm.connector"
@@ -37,7 +37,12 @@ def main() -> None:
         rounds.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                        "cached": [o.num_cached_tokens for o in outs]})
         llm.reset_prefix_cache()
-    print("RESULT " + json.dumps({"rounds": rounds}), flush=True)
+    counters = {}
+    from kvstore.offload import shared as shared_mod
+
+    for sh in shared_mod.live():  # in-process mode: the connector's counters
+        counters = {**sh.metrics.summary(), "nvme": sh.store.stats()["tiers"].get("nvme", {})}
+    print("RESULT " + json.dumps({"rounds": rounds, "counters": counters}), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -33,7 +33,7 @@ class Mover:
         self.copier: kvcopy.KVCopier | None = None
         self.layout: kvcopy.KVLayout | None = None
         self.load_errors: set[int] = set()
-        self._failed_step: tuple[int, set[int]] = (0, set())  # (id of the step's plan, failed block ids)
+        self._failed_step: tuple[int, set[int]] = (-1, set())  # (the plan's step number, failed block ids)
 
     def register(self, kv_caches: Any, layout: kvcopy.KVLayout) -> None:
         if layout.block_bytes != self.store.block_bytes:
@@ -49,7 +49,7 @@ class Mover:
 
     def load(self, plan: StepPlan) -> None:
         if not plan.loads:
-            self._failed_step = (id(plan), set())
+            self._failed_step = (plan.step, set())
             return
         assert self.copier is not None, "register_kv_caches was not called"
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ class Mover:
             self.metrics.recomputed_tokens.inc(lost * bt)
             log.warning("kvstore: %d blocks failed to load; vLLM recomputes them", n_failed)
         self.load_errors |= failed
-        self._failed_step = (id(plan), failed)
+        self._failed_step = (plan.step, failed)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
 
     def _good_part(self, sp: StorePlan, failed: set[int]) -> int:
@@ -115,7 +115,7 @@ class Mover:
         assert self.copier is not None, "register_kv_caches was not called"
         t0 = time.perf_counter()
         pid, failed = self._failed_step
-        if pid != id(plan):  # start_load_kv did not run for this plan: assume nothing
+        if pid != plan.step:  # start_load_kv did not run for this plan
             failed = set()
         keys, ids = [], []
         skipped = 0

@@ -62,6 +62,7 @@ class StorePlan:
 class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
+    step: int = 0  # the planner's step number (the worker pairs a step's loads with its stores)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Planner:
         self._unreported = 0
         self._last_warn = 0.0
         self.rollbacks = 0  # times vLLM rewound a request below its saved mark
+        self.steps = 0
 
     def _failed(self, op: str, e: BaseException) -> None:
         self.errors += 1
@@ -213,7 +215,8 @@ class Planner:
                    num_scheduled: dict[str, int]) -> StepPlan:
         """``new``: (req_id, block_ids, num_computed); ``cached``: (req_id, new_block_ids or None,
         num_computed, resumed). Returns this step's loads and stores."""
-        plan = StepPlan()
+        self.steps += 1
+        plan = StepPlan(step=self.steps)
         for rid, block_ids, computed in new:
             st = self.reqs.get(rid)
             if st is None:
