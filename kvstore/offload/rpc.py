@@ -174,13 +174,16 @@ class RemoteClient:
             raise
         self.sock = sock
 
-    def _drop(self) -> None:
+    def _close_sock(self) -> None:
         if self.sock is not None:
             try:
                 self.sock.close()
             except OSError:
                 pass
         self.sock = None
+
+    def _drop(self) -> None:
+        self._close_sock()
         self.failures += 1
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(5.0, self._backoff * 2)
@@ -234,9 +237,4 @@ class RemoteClient:
 
     def close(self) -> None:
         with self._lock:
-            if self.sock is not None:
-                try:
-                    self.sock.close()
-                except OSError:
-                    pass
-                self.sock = None
+            self._close_sock()
