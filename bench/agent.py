@@ -297,13 +297,13 @@ def replay(requests: Sequence[wl.Request], store: Mapping, *, block_tokens: int,
         wall = time.perf_counter() - wall
         mv = s.metrics.value
         metrics = {
-            "hit_tokens": {t: mv("kvstore_hit_tokens_total", tier=t) for t in ("dram", "nvme")},
+            "hit_tokens": {t: mv("kvstore_lookup_hit_tokens_total", tier=t) for t in ("dram", "nvme")},
             "lookup_tokens": mv("kvstore_lookup_tokens_total"),
-            "miss_tokens": {r: mv("kvstore_miss_tokens_total", reason=r) for r in MISS_REASONS},
-            "evictions": {t: mv("kvstore_evictions_total", tier=t) for t in ("dram", "nvme")},
-            "expirations": {t: mv("kvstore_expirations_total", tier=t) for t in ("dram", "nvme")},
-            "demotions": mv("kvstore_demotions_total"),
-            "promotions": mv("kvstore_promotions_total"),
+            "miss_tokens": {r: mv("kvstore_lookup_miss_tokens_total", reason=r) for r in MISS_REASONS},
+            "evictions": {t: mv("kvstore_tier_evicted_blocks_total", tier=t) for t in ("dram", "nvme")},
+            "expirations": {t: mv("kvstore_tier_expired_blocks_total", tier=t) for t in ("dram", "nvme")},
+            "demotions": mv("kvstore_demoted_blocks_total"),
+            "promotions": mv("kvstore_promoted_blocks_total"),
         }
     finally:
         s.close(persist=False)

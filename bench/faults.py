@@ -764,12 +764,12 @@ def disk_full(folder, *, size_mb: int = 3, seed: int = 0, block_bytes: int = 64 
                         advance()
                 s.flush()
                 res["disk_full_events"] = s.nvme.stats.get("disk_full", 0)
-                res["disk_full_write_failures_metric"] = s.metrics.value("kvstore_failed_ops_total", tier="nvme",
+                res["disk_full_write_failures_metric"] = s.metrics.value("kvstore_tier_errors_total", tier="nvme",
                                                                          op="write")
                 res["disk_full_nvme_capacity_after"] = s.nvme.capacity_bytes
                 res["disk_full_nvme_blocks_held"] = len(s.nvme)
                 s.stats()
-                res["disk_full_capacity_gauge"] = s.metrics.value("kvstore_capacity_bytes", tier="nvme")
+                res["disk_full_capacity_gauge"] = s.metrics.value("kvstore_tier_capacity_bytes", tier="nvme")
                 res["disk_full_tmp_left"] = sum(1 for _ in Path(s.nvme.tmp).iterdir())
                 res["disk_full_fs_bytes"] = shutil.disk_usage(mnt).total
             finally:

@@ -272,8 +272,10 @@ def set_failpoints(ctl: str, spec: str) -> None:
 
 
 def delta(after: dict, before: dict, name: str) -> float:
-    return sum(v for k, v in after.items() if k.split("{")[0] == name) - \
-        sum(v for k, v in before.items() if k.split("{")[0] == name)
+    """The change of a metric: ``name`` summed over its labels, or one sample ``name{labels}``."""
+    def total(d: dict) -> float:
+        return d.get(name, 0.0) if "{" in name else sum(v for k, v in d.items() if k.split("{")[0] == name)
+    return total(after) - total(before)
 
 
 def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool, mp: bool, ctl: str,
@@ -321,8 +323,9 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 "follow_ups": 7, "wrong_outputs": wrong, "follow_ups_identical": wrong == 0,
                 "cached_tokens": cached + [c],
                 "healed": c[0] == full, "heal_hit_tokens": c[0], "heal_full_tokens": full,
-                "loads_failed_blocks": int(delta(after, before, "kvstore_engine_failed_load_tokens_total") // bt),
-                "tokens_recomputed": int(delta(after, before, "kvstore_engine_recomputed_tokens_total")),
+                "loads_failed_blocks": int(delta(after, before, 'kvstore_engine_unsupplied_tokens_total'
+                                                 '{reason="load_failed"}') // bt),
+                "tokens_recomputed": int(delta(after, before, "kvstore_engine_unsupplied_tokens_total")),
                 "blocks_stored_again": int(delta(after, before, "kvstore_engine_stored_blocks_total")),
                 "stores_skipped_failed_load": int(delta(after, before, "kvstore_engine_store_skipped_blocks_total")),
                 "store_errors": int(delta(after, before, "kvstore_engine_store_errors_total")),

@@ -1,8 +1,13 @@
 """Store metrics, exported through prometheus-client (one registry per store).
 
-Per tier: hits and misses in blocks and tokens, bytes in/out, evictions, expirations, corrupt
-files dropped, put/get latency. Lookups also count misses by reason: never stored, evicted
-for capacity, expired by TTL, prefix diverged, below the minimum length.
+Names follow Prometheus conventions: ``kvstore_`` then what is measured, base units
+(``_bytes``, ``_seconds``), ``_total`` on counters (prometheus-client adds it). README.md lists
+every metric (a test keeps the list complete).
+
+Per tier: bytes written and read, evictions, expirations, corrupt files dropped, errors, put/get
+latency, blocks and bytes held, capacity. Store lookups (``kvstore_lookup_*``) count what a
+direct caller asked for, with misses by reason: never stored, evicted for capacity, expired by
+TTL, prefix diverged, below the minimum length, corrupt.
 """
 
 from __future__ import annotations
@@ -20,25 +25,46 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, port: int | None = None):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.hit_blocks = Counter("kvstore_hit_blocks", "Blocks found, by tier", ["tier"], registry=r)
-        self.hit_tokens = Counter("kvstore_hit_tokens", "Tokens found, by tier", ["tier"], registry=r)
-        self.lookup_blocks = Counter("kvstore_lookup_blocks", "Full blocks looked up", registry=r)
-        self.lookup_tokens = Counter("kvstore_lookup_tokens", "Tokens in full blocks looked up", registry=r)
-        self.miss_blocks = Counter("kvstore_miss_blocks", "Blocks not found, by reason of the first miss", ["reason"], registry=r)
-        self.miss_tokens = Counter("kvstore_miss_tokens", "Tokens not found, by reason of the first miss", ["reason"], registry=r)
-        self.bytes_in = Counter("kvstore_bytes_in", "Bytes written into a tier", ["tier"], registry=r)
-        self.bytes_out = Counter("kvstore_bytes_out", "Bytes read out of a tier", ["tier"], registry=r)
-        self.evictions = Counter("kvstore_evictions", "Blocks evicted for capacity", ["tier"], registry=r)
-        self.expirations = Counter("kvstore_expirations", "Blocks expired by TTL", ["tier"], registry=r)
-        self.corrupt = Counter("kvstore_corrupt_files", "Bad files dropped (a miss, never served)", ["tier", "reason"], registry=r)
-        self.demotions = Counter("kvstore_demotions", "Blocks moved DRAM -> NVMe", registry=r)
-        self.promotions = Counter("kvstore_promotions", "Blocks moved NVMe -> DRAM", registry=r)
-        self.failed = Counter("kvstore_failed_ops", "Failed block writes/reads", ["tier", "op"], registry=r)
-        self.put_latency = Histogram("kvstore_put_seconds", "put() latency per call", ["tier"], buckets=LATENCY_BUCKETS, registry=r)
-        self.get_latency = Histogram("kvstore_get_seconds", "get() latency per call", ["tier"], buckets=LATENCY_BUCKETS, registry=r)
-        self.blocks = Gauge("kvstore_blocks", "Blocks held, by tier", ["tier"], registry=r)
-        self.bytes_held = Gauge("kvstore_bytes", "Bytes held, by tier", ["tier"], registry=r)
-        self.capacity = Gauge("kvstore_capacity_bytes", "Capacity, by tier", ["tier"], registry=r)
+        # Store lookups, as any caller of KVStore.contains_prefix(record=True) makes them (the
+        # benchmarks, the tuner's replay). The vLLM connector does not record here: what it
+        # served is counted by the kvstore_engine_* metrics (kvstore/offload/metrics.py).
+        self.lookup_blocks = Counter("kvstore_lookup_blocks", "Full blocks looked up in the store", registry=r)
+        self.lookup_tokens = Counter("kvstore_lookup_tokens", "Tokens in the full blocks looked up in the store",
+                                     registry=r)
+        self.hit_blocks = Counter("kvstore_lookup_hit_blocks", "Looked-up blocks found (the stored prefix), by tier",
+                                  ["tier"], registry=r)
+        self.hit_tokens = Counter("kvstore_lookup_hit_tokens", "Looked-up tokens found (the stored prefix), by tier",
+                                  ["tier"], registry=r)
+        self.miss_blocks = Counter("kvstore_lookup_miss_blocks",
+                                   "Looked-up blocks not found, by the reason of the first missing block",
+                                   ["reason"], registry=r)
+        self.miss_tokens = Counter("kvstore_lookup_miss_tokens",
+                                   "Looked-up tokens not found, by the reason of the first missing block",
+                                   ["reason"], registry=r)
+        # Tiers
+        self.bytes_in = Counter("kvstore_tier_written_bytes", "Block bytes written into a tier (before a codec)",
+                                ["tier"], registry=r)
+        self.bytes_out = Counter("kvstore_tier_read_bytes", "Block bytes read out of a tier (after a codec)",
+                                 ["tier"], registry=r)
+        self.evictions = Counter("kvstore_tier_evicted_blocks", "Blocks evicted from a tier for capacity",
+                                 ["tier"], registry=r)
+        self.expirations = Counter("kvstore_tier_expired_blocks", "Blocks expired from a tier by idle TTL",
+                                   ["tier"], registry=r)
+        self.corrupt = Counter("kvstore_corrupt_files", "Bad block files dropped, by reason (a miss, never served)",
+                               ["tier", "reason"], registry=r)
+        self.demotions = Counter("kvstore_demoted_blocks", "Blocks written down from DRAM to NVMe", registry=r)
+        self.promotions = Counter("kvstore_promoted_blocks", "Blocks copied up from NVMe to DRAM", registry=r)
+        self.failed = Counter("kvstore_tier_errors", "Block writes or reads that failed, by tier and op",
+                              ["tier", "op"], registry=r)
+        self.put_latency = Histogram("kvstore_put_seconds", "Time to store one batch of blocks, by tier",
+                                     ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.get_latency = Histogram("kvstore_get_seconds", "Time to read one batch of blocks, by tier",
+                                     ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.blocks = Gauge("kvstore_tier_blocks", "Blocks held, by tier", ["tier"], registry=r)
+        self.bytes_held = Gauge("kvstore_tier_used_bytes", "Bytes held, by tier (what capacity is charged)",
+                                ["tier"], registry=r)
+        self.capacity = Gauge("kvstore_tier_capacity_bytes", "Capacity, by tier (a full disk lowers NVMe's; "
+                              "DRAM's grows while its pool is prepared)", ["tier"], registry=r)
         self.info = Gauge("kvstore_store_info", "The store's identity (value 1): model, key-chain root and NVMe "
                           "namespace, so a tool can find a prompt's blocks (keys = chain_keys(root, tokens))",
                           ["model", "root", "namespace"], registry=r)

@@ -699,13 +699,13 @@ class KVStore:
                 dram.index.pin(e)
         try:
             todo = [e for e in entries if not nv.holds(e.key)]
-            before = self.metrics.value("kvstore_demotions_total")
+            before = self.metrics.value("kvstore_demoted_blocks_total")
             for i in range(0, len(todo), 64):
                 batch = todo[i:i + 64]
                 for e in batch:
                     e.reason = ""
                 self._on_dram_evict_copy(batch)
-            return int(self.metrics.value("kvstore_demotions_total") - before)
+            return int(self.metrics.value("kvstore_demoted_blocks_total") - before)
         finally:
             dram.release(entries)
 

@@ -75,8 +75,8 @@ def run_codec(model: str, store: str, codec: str):
         assert len(live) == 1, live
         assert live[0].store.dram is None and live[0].store.nvme.codec.name == codec
         reg = live[0].metrics.registry
-        from_nvme = reg.get_sample_value("kvstore_engine_loaded_tokens_total", {"tier": "nvme"}) or 0.0
-        from_dram = reg.get_sample_value("kvstore_engine_loaded_tokens_total", {"tier": "dram"}) or 0.0
+        from_nvme = reg.get_sample_value("kvstore_engine_served_tokens_total", {"tier": "nvme"}) or 0.0
+        from_dram = reg.get_sample_value("kvstore_engine_served_tokens_total", {"tier": "dram"}) or 0.0
         assert from_dram == 0
         assert [o.num_cached_tokens for o in cold] == [0] * len(PROMPTS)
         return cold, warm, [o.num_cached_tokens for o in warm], from_nvme

@@ -106,4 +106,4 @@ def test_one_engine_deletes_and_rewrites_files_while_another_loads(tiny_model, t
     nv = ra["counters"]["nvme"]
     print(ra["counters"])
     # A met the other engine's deletes and rewrites: missing or replaced files, failed loads
-    assert nv.get("missing", 0) + nv.get("corrupt", 0) + ra["counters"]["failed_load_tokens"] > 0, ra["counters"]
+    assert nv.get("missing", 0) + nv.get("corrupt", 0) + ra["counters"]["unsupplied_tokens"].get("load_failed", 0) > 0, ra["counters"]

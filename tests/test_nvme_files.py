@@ -484,7 +484,7 @@ def test_write_error_leaves_nothing(make_store, monkeypatch):
     assert s.put(keys, blocks_for(keys)) == 0
     assert nvme_files(s) == [] and tmp_files(s) == [] and len(s.nvme) == 0
     assert s.nvme.stats["write_failed"] == 3
-    assert M(s, "kvstore_failed_ops_total", tier="nvme", op="write") == 3
+    assert M(s, "kvstore_tier_errors_total", tier="nvme", op="write") == 3
     monkeypatch.undo()
     assert s.put(keys, blocks_for(keys)) == 3 and read_n(s, keys) == 3
     check_store(s)

@@ -27,6 +27,7 @@ class FakeClient:
         self.next = 0
         self.broken = False
         self.calls: list[str] = []
+        self.outcomes = []
 
     def _op(self, name):
         self.calls.append(name)
@@ -56,11 +57,9 @@ class FakeClient:
         self._op("end_load")
         self.pins.pop(hid, None)
 
-    def record_lookup(self, *a):
-        self._op("record_lookup")
-
-    def record_alloc(self, *a):
-        self._op("record_alloc")
+    def record_request(self, outcome):
+        self._op("record_request")
+        self.outcomes.append(outcome)
 
     def close(self):
         pass
@@ -254,6 +253,6 @@ def test_scatter_failure_fails_every_block_and_stores_nothing_after(worker, monk
     finally:
         failpoints.clear()
     assert mover.take_load_errors() == {1, 2, 3, 4}
-    n0 = store.metrics.value("kvstore_bytes_in_total", tier="nvme")
+    n0 = store.metrics.value("kvstore_tier_written_bytes_total", tier="nvme")
     mover.save(plan)
-    assert store.metrics.value("kvstore_bytes_in_total", tier="nvme") == n0  # nothing stored
+    assert store.metrics.value("kvstore_tier_written_bytes_total", tier="nvme") == n0  # nothing stored

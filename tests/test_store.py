@@ -126,7 +126,7 @@ def test_stats_shape(make_store):
     st = s.stats()
     assert st["tiers"]["dram"]["blocks"] == 2 and st["tiers"]["nvme"]["blocks"] == 0
     assert st["tiers"]["dram"]["capacity_bytes"] == 4 * BLOCK
-    assert st["metrics"]["kvstore_blocks{tier=dram}"] == 2
+    assert st["metrics"]["kvstore_tier_blocks{tier=dram}"] == 2
     assert "kvstore_corrupt_files_total" in s.metrics.text() or "kvstore_corrupt_files" in s.metrics.text()
 
 
@@ -144,7 +144,7 @@ def test_dram_eviction_demotes_to_nvme_write_back(make_store, clock):
     s.put([c], block_for(c)[None])
     assert s.contains_prefix([a]).tiers == ("nvme",) and s.nvme.path_of(a).exists()
     assert s.contains_prefix([b]).tiers == ("dram",) and not s.nvme.path_of(b).exists()
-    assert M(s, "kvstore_demotions_total") == 1 and M(s, "kvstore_evictions_total", tier="dram") == 1
+    assert M(s, "kvstore_demoted_blocks_total") == 1 and M(s, "kvstore_tier_evicted_blocks_total", tier="dram") == 1
     assert s.nvme.index.entries[a].last_access == clock() - 2  # keeps its DRAM recency
     n, out = read_all(s, [a])
     assert n == 1 and np.array_equal(out[0], block_for(a))
@@ -161,7 +161,7 @@ def test_nvme_hit_promotes_to_dram(make_store, clock):
     assert s.contains_prefix([a]).tiers == ("nvme",)
     assert_blocks(s, [a])
     assert s.contains_prefix([a]).tiers == ("dram",)
-    assert M(s, "kvstore_promotions_total") == 1
+    assert M(s, "kvstore_promoted_blocks_total") == 1
     assert s.nvme.contains(a)  # a copy stays on NVMe (it is clean)
     # the DRAM block it replaced (b, the LRU) went down to NVMe
     assert s.contains_prefix([keys[1]]).tiers == ("nvme",)
@@ -174,12 +174,12 @@ def test_write_through_writes_nvme_at_put_time(make_store):
     assert s.put(keys, blocks_for(keys)) == 3
     assert all(s.nvme.contains(k) and s.nvme.path_of(k).exists() for k in keys)
     assert s.contains_prefix(keys).tiers == ("dram",) * 3
-    assert M(s, "kvstore_bytes_in_total", tier="nvme") == 3 * BLOCK
+    assert M(s, "kvstore_tier_written_bytes_total", tier="nvme") == 3 * BLOCK
     check_store(s)
     # a later DRAM eviction need not write again
     more = make_keys(4, seed=1)
     s.put(more, blocks_for(more))
-    assert M(s, "kvstore_demotions_total") == 0
+    assert M(s, "kvstore_demoted_blocks_total") == 0
     assert_blocks(s, keys)
     check_store(s)
 
@@ -234,7 +234,7 @@ def test_dram_expiry_demotes_when_nvme_keeps_longer(make_store, clock):
     clock.advance(6)
     assert s.sweep() == 2
     assert s.contains_prefix(keys).tiers == ("nvme", "nvme")
-    assert M(s, "kvstore_expirations_total", tier="dram") == 2
+    assert M(s, "kvstore_tier_expired_blocks_total", tier="dram") == 2
     clock.advance(90)  # NVMe idle TTL counts from the last access (in DRAM): 96 s so far
     assert_blocks(s, keys)
     clock.advance(101)
@@ -356,8 +356,8 @@ def test_miss_reason_never_stored_and_below_min(make_store):
     s = make_store()
     assert s.contains_prefix(make_keys(3)).miss_reason == "never_stored"
     assert s.contains_prefix([], num_tokens=7) == PrefixMatch(0, (), "below_min")
-    assert M(s, "kvstore_miss_tokens_total", reason="below_min") == 7
-    assert M(s, "kvstore_miss_blocks_total", reason="never_stored") == 3
+    assert M(s, "kvstore_lookup_miss_tokens_total", reason="below_min") == 7
+    assert M(s, "kvstore_lookup_miss_blocks_total", reason="never_stored") == 3
 
 
 def test_miss_reason_diverged(make_store):
@@ -370,8 +370,8 @@ def test_miss_reason_diverged(make_store):
     s.put(a, blocks_for(a))
     m = s.contains_prefix(b)
     assert m == PrefixMatch(2, ("dram", "dram"), "diverged")
-    assert M(s, "kvstore_miss_tokens_total", reason="diverged") == 2 * FP.block_size
-    assert M(s, "kvstore_hit_tokens_total", tier="dram") == 2 * FP.block_size
+    assert M(s, "kvstore_lookup_miss_tokens_total", reason="diverged") == 2 * FP.block_size
+    assert M(s, "kvstore_lookup_hit_tokens_total", tier="dram") == 2 * FP.block_size
 
 
 def test_miss_reason_evicted(make_store, tmp_path):
@@ -551,7 +551,7 @@ def test_prometheus_endpoint(make_store):
     s.put(keys, blocks_for(keys))
     s.contains_prefix(keys)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert 'kvstore_hit_blocks_total{tier="dram"} 2.0' in body
+    assert 'kvstore_lookup_hit_blocks_total{tier="dram"} 2.0' in body
     s.close()
 
 

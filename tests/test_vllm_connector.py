@@ -104,7 +104,7 @@ class Engine:
 
 
 def loaded(shared, tier: str) -> float:
-    return shared.metrics.registry.get_sample_value("kvstore_engine_loaded_tokens_total", {"tier": tier}) or 0.0
+    return shared.metrics.registry.get_sample_value("kvstore_engine_served_tokens_total", {"tier": tier}) or 0.0
 
 
 def reference(model: str, prompts, max_tokens: int = 16, **kw):
@@ -156,6 +156,75 @@ def test_multiprocess_engine_mode(tiny_model, tmp_path):
     assert r["rounds"][0]["cached"] == [0] and r["rounds"][1]["cached"] == [192]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_counters_are_exact_through_the_connector(tiny_model, tmp_path):
+    """Engine-local hits, kvstore hits from DRAM and (after a restart) NVMe, a diverged prompt:
+    every counter is checked exactly, and ``kvstore stats`` reads the same numbers over HTTP.
+    Block 32; a 200-token prompt has 6 full blocks that may be offered (192 tokens; the 7th
+    block holds the last token) and 8 tokens after them."""
+    from kvstore import stats
+
+    store = str(tmp_path / "s")
+    a = prompt(200, 31)
+    b = a[:96] + prompt(104, 32)  # shares 3 blocks with a
+    ref = reference(tiny_model, [a, b])
+    exp = {"requests": 0, "prompt_tokens": 0, "engine_local_hit_tokens": 0,
+           "served_tokens": {"dram": 0, "nvme": 0}, "held_tokens": {"dram": 0, "nvme": 0}, "unsupplied_tokens": {}}
+
+    def expect(local=0, served=None, held=None, **unsupplied):
+        exp["requests"] += 1
+        exp["prompt_tokens"] += 200
+        exp["engine_local_hit_tokens"] += local
+        for t, n in (served or {}).items():
+            exp["served_tokens"][t] += n
+        for t, n in (held or {}).items():
+            exp["held_tokens"][t] += n
+        for r, n in unsupplied.items():
+            exp["unsupplied_tokens"][r] = exp["unsupplied_tokens"].get(r, 0) + n
+
+    def check(e, port):
+        got = {k: v for k, v in e.shared.metrics.summary().items() if k in exp}
+        assert got == exp
+        over_http = stats.fetch(f"http://127.0.0.1:{port}/metrics")
+        assert over_http["engine"] == e.shared.metrics.summary()
+        needed = exp["prompt_tokens"] - exp["engine_local_hit_tokens"]
+        assert over_http["engine"]["hit_rate"] == pytest.approx(sum(exp["served_tokens"].values()) / needed)
+        assert over_http["lookups"]["lookup_tokens"] == 0  # the engine path never counts store lookups as hits
+        return stats.render(over_http)
+
+    port = _free_port()
+    with Engine(tiny_model, store, extra={"metrics": {"port": port}}) as e:
+        out, cached = e.generate([a], reset=False)  # 1. cold
+        assert out == ref[:1] and cached == [0]
+        expect(never_stored=192, partial_block=8)
+        out, cached = e.generate([a])  # 2. vLLM's own prefix cache: kvstore held it, saved nothing
+        assert out == ref[:1] and cached == [192]
+        expect(local=192, held={"dram": 192}, partial_block=8)
+        out, cached = e.generate([a])  # 3. served by kvstore from DRAM
+        assert out == ref[:1] and cached == [192]
+        expect(served={"dram": 192}, partial_block=8)
+        out, cached = e.generate([b])  # 4. diverges after 3 blocks
+        assert out == ref[1:] and cached == [96]
+        expect(served={"dram": 96}, diverged=96, partial_block=8)
+        text = check(e, port)
+        assert "kvstore hit rate: 47.4% = served / (prompt - engine-local hits) = 288 / (800 - 192)" in text, text
+    exp = {k: ({t: 0 for t in v} if isinstance(v, dict) and k != "unsupplied_tokens" else {} if isinstance(v, dict)
+               else 0) for k, v in exp.items()}
+    port = _free_port()
+    with Engine(tiny_model, store, extra={"metrics": {"port": port}}) as e:  # a restart: DRAM was written down
+        out, cached = e.generate([a])
+        assert out == ref[:1] and cached == [192]
+        expect(served={"nvme": 192}, partial_block=8)
+        check(e, port)
+
+
 def test_multi_turn_agent_sessions(tiny_model, tmp_path):
     """Two sessions share a long system prompt; each turn = previous prompt + output + new text."""
     system = prompt(400, 10)
@@ -182,7 +251,7 @@ def test_multi_turn_agent_sessions(tiny_model, tmp_path):
                 prev_loaded[s] = got
                 sessions[s] = p + toks[0] + prompt(8, 100 * turn + s)
         m = e.shared.metrics.summary()
-        assert m["loaded_tokens"]["dram"] == sum(r[3] for r in e.shared.request_log)
+        assert m["served_tokens"]["dram"] == sum(r[3] for r in e.shared.request_log)
 
 
 def test_decode_blocks_are_stored(tiny_model, tmp_path):
@@ -258,7 +327,7 @@ def test_chunked_prefill_and_concurrent_requests(tiny_model, tmp_path):
         assert out == ref
         assert cached[:4] == [544] * 4 and cached[4] == 0
         snap = e.shared.store.metrics.snapshot()
-        assert snap.get("kvstore_miss_tokens_total{reason=below_min}", 0) > 0
+        assert snap.get("kvstore_engine_unsupplied_tokens_total{reason=partial_block}", 0) >= 30
 
 
 def test_preemption_under_a_tiny_kv_space(tiny_model, tmp_path):

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore import kvcopy
 from kvstore.config import load_config
 from kvstore.keys import ModelFingerprint
+from kvstore.stats import render_engine
 from kvstore.trace import TraceWriter
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, release_shared)
@@ -34,6 +35,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvstore")  # under vLLM's logger: shows in its log
+
+
+def _log_under_vllm() -> None:
+    """kvstore's own loggers (``kvstore.*``: the DRAM pool, the mover's warnings) write through
+    vLLM's handlers, so their lines show in the engine's log, in its format."""
+    k, v = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if v.handlers and not k.handlers:
+        for h in v.handlers:
+            k.addHandler(h)
+        k.setLevel(logging.INFO)
+        k.propagate = False
 
 
 class KVStoreMetadata(KVConnectorMetadata):
@@ -127,6 +139,7 @@ def _request_mm(request: "Request") -> list[tuple[int, int, str]]:
 class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_under_vllm()
         ktc = self._kv_transfer_config
         # a miss or a failed load is recomputed, never an error for the request
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
@@ -255,7 +268,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.client is not None:
             self.client.close()
         if self.shared is not None:
-            log.info("kvstore connector summary: %s", self.shared.metrics.summary())
+            summary = self.shared.metrics.summary()
+            if summary is not None:
+                log.info("kvstore connector summary:\n%s", "\n".join(render_engine(summary)))
             log.info("kvstore tiers: %s", self.shared.store.stats()["tiers"])
             if self.server is not None:
                 self.server.close()

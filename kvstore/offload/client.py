@@ -12,6 +12,7 @@ import threading
 from concurrent.futures import Future, wait
 from typing import Protocol, Sequence
 
+from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.shared import SharedStore
 from kvstore.store import PrefixMatch
 
@@ -27,10 +28,7 @@ class StoreClient(Protocol):
 
     def end_load(self, handle_id: int) -> None: ...
 
-    def record_lookup(self, prompt_tokens: int, local_tokens: int, errors: int = 0) -> None: ...
-
-    def record_alloc(self, req_id: str, prompt_tokens: int, local: int, promised: int, got: int,
-                     tiers: Sequence[str]) -> None: ...
+    def record_request(self, outcome: RequestOutcome) -> None: ...
 
     def close(self) -> None: ...
 
@@ -83,18 +81,10 @@ class LocalClient:
         if h is not None:
             self.store.end_load(h)
 
-    def record_lookup(self, prompt_tokens: int, local_tokens: int, errors: int = 0) -> None:
-        m = self.shared.metrics
-        if errors:  # the scheduler side's failed calls since its last report
-            m.store_errors.labels("scheduler").inc(errors)
-        m.requests.inc()
-        m.prompt_tokens.inc(prompt_tokens)
-        m.engine_cached_tokens.inc(local_tokens)
-
-    def record_alloc(self, req_id, prompt_tokens, local, promised, got, tiers) -> None:
-        m = self.shared.metrics
-        m.recomputed_tokens.inc(max(0, prompt_tokens - local - got))
-        self.shared.request_log.append((req_id, prompt_tokens, local, got, tuple(tiers)))
+    def record_request(self, outcome: RequestOutcome) -> None:
+        self.shared.metrics.record(outcome)
+        self.shared.request_log.append((outcome.req_id, outcome.prompt, outcome.local, outcome.got,
+                                        tuple(outcome.tiers)))
 
     def close(self) -> None:
         pass

@@ -1,51 +1,120 @@
-"""Metrics in an engine's terms: prompt tokens, tokens served per tier, tokens recomputed,
-load and save latency. Registered in the store's Prometheus registry."""
+"""Metrics in an engine's terms, registered in the store's Prometheus registry.
+
+Every prompt token of a request the engine schedules is counted exactly once, as one of:
+
+* ``kvstore_engine_local_hit_tokens_total``: the engine already had it (its own prefix cache);
+* ``kvstore_engine_served_tokens_total{tier}``: kvstore loaded it into the engine;
+* ``kvstore_engine_unsupplied_tokens_total{reason}``: the engine computed it, because kvstore
+  could not supply it (``UNSUPPLIED_REASONS``).
+
+So served + unsupplied = prompt - engine-local, and the hit rate kvstore can claim is
+**served / (prompt - engine-local)**. Tokens kvstore held but the engine already had are
+counted apart (``kvstore_engine_held_tokens_total{tier}``): no work was saved by them, and a
+lookup that counted them as hits would show a hit rate where kvstore saved nothing.
+
+A request is counted when the engine schedules it (a preempted request counts again when it is
+scheduled again); served and load-failed tokens when the worker has copied (or failed to copy)
+them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstore.metrics import LATENCY_BUCKETS
+from kvstore.metrics import LATENCY_BUCKETS, MISS_REASONS
+
+TIERS = ("dram", "nvme")
+
+# Why a prompt token the engine needed was not served: the store's miss reasons for the first
+# block it lacked (kvstore.metrics.MISS_REASONS), and
+#   partial_block  the tokens after the last full block, and the prompt's last token (the engine
+#                  must compute at least one token, so a block ending on it is never offered);
+#   load_failed    promised, but the load failed (a bad file, a read or copy error): recomputed;
+#   not_loaded     stored, but the engine did not take it (it allocated fewer tokens);
+#   uncacheable    the request has no token ids (prompt embeddings);
+#   store_error    the store could not be asked (its calls failed: a miss).
+UNSUPPLIED_REASONS = tuple(r for r in MISS_REASONS if r != "below_min") + (
+    "partial_block", "load_failed", "not_loaded", "uncacheable", "store_error")
+
+
+@dataclass
+class RequestOutcome:
+    """What the scheduler decided for one request, in tokens (computed by the planner)."""
+
+    req_id: str
+    prompt: int  # prompt tokens
+    local: int  # the engine's own prefix-cache hit
+    promised: int  # tokens kvstore said it would load
+    got: int  # of those, pinned (the rest fail at the worker)
+    tiers: tuple[str, ...] = ()  # tier of each promised block
+    held: dict[str, int] = field(default_factory=dict)  # tier -> tokens kvstore held under ``local``
+    unsupplied: dict[str, int] = field(default_factory=dict)  # reason -> tokens (load failures: worker)
+    errors: int = 0  # scheduler-side store calls that failed since the last report
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RequestOutcome":
+        """From the scheduler's socket message (validated by :meth:`OffloadMetrics.record`)."""
+        return cls(str(d["req_id"]), int(d["prompt"]), int(d["local"]), int(d["promised"]), int(d["got"]),
+                   tuple(str(t) for t in d.get("tiers", ())),
+                   {str(k): int(v) for k, v in dict(d.get("held", {})).items()},
+                   {str(k): int(v) for k, v in dict(d.get("unsupplied", {})).items()}, int(d.get("errors", 0)))
 
 
 class OffloadMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = r = registry
-        self.requests = Counter("kvstore_engine_requests", "Requests looked up by the engine connector", registry=r)
-        self.prompt_tokens = Counter("kvstore_engine_prompt_tokens", "Prompt tokens of looked-up requests", registry=r)
-        self.engine_cached_tokens = Counter("kvstore_engine_local_hit_tokens",
-                                            "Tokens the engine already had in its own prefix cache", registry=r)
-        self.loaded_tokens = Counter("kvstore_engine_loaded_tokens", "Tokens served from kvstore, by tier",
+        self.requests = Counter("kvstore_engine_requests", "Requests the engine scheduled with a kvstore lookup "
+                                "(a preempted request counts again when rescheduled)", registry=r)
+        self.prompt_tokens = Counter("kvstore_engine_prompt_tokens", "Prompt tokens of those requests", registry=r)
+        self.local_tokens = Counter("kvstore_engine_local_hit_tokens",
+                                    "Prompt tokens the engine already had in its own prefix cache", registry=r)
+        self.served_tokens = Counter("kvstore_engine_served_tokens",
+                                     "Prompt tokens kvstore loaded into the engine (prefill skipped), by tier",
                                      ["tier"], registry=r)
-        self.recomputed_tokens = Counter("kvstore_engine_recomputed_tokens",
-                                         "Prompt tokens the engine had to compute", registry=r)
-        self.failed_tokens = Counter("kvstore_engine_failed_load_tokens",
-                                     "Tokens promised but not loaded (recomputed instead)", registry=r)
+        self.held_tokens = Counter("kvstore_engine_held_tokens",
+                                   "Prompt tokens kvstore held that the engine already had (no work saved), by tier",
+                                   ["tier"], registry=r)
+        self.unsupplied_tokens = Counter("kvstore_engine_unsupplied_tokens",
+                                         "Prompt tokens the engine needed and computed because kvstore could not "
+                                         "supply them, by reason", ["reason"], registry=r)
         self.store_errors = Counter("kvstore_engine_store_errors",
-                                    "Store calls that failed (a miss, a recompute or a skipped store)", ["op"],
+                                    "Store calls that failed (a miss, a recompute or a skipped store), by op", ["op"],
                                     registry=r)
         self.skipped_blocks = Counter("kvstore_engine_store_skipped_blocks",
                                       "Blocks not stored, by reason (failed_load: computed over a failed load)",
                                       ["reason"], registry=r)
         self.stored_blocks = Counter("kvstore_engine_stored_blocks", "Blocks saved from the engine", registry=r)
-        self.load_seconds = Histogram("kvstore_engine_load_seconds", "Worker-side load time per step",
+        self.load_seconds = Histogram("kvstore_engine_load_seconds", "Worker time to load one step's blocks",
                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.save_seconds = Histogram("kvstore_engine_save_seconds", "Worker-side save time per step",
+        self.save_seconds = Histogram("kvstore_engine_save_seconds", "Worker time to save one step's blocks",
                                       buckets=LATENCY_BUCKETS, registry=r)
 
-    def _v(self, name: str, **labels) -> float:
-        return self.registry.get_sample_value(name, labels or None) or 0.0
+    def record(self, o: RequestOutcome) -> None:
+        """A request's scheduler-side outcome (served and load failures come from the worker)."""
+        bad = [t for t in (*o.held, *o.tiers) if t not in TIERS] + [r for r in o.unsupplied if r not in
+                                                                     UNSUPPLIED_REASONS]
+        if bad:  # labels come from the scheduler: never let them grow the metric's label set
+            raise ValueError(f"request outcome: unknown tier or reason {bad}; tiers {TIERS}, "
+                             f"reasons {UNSUPPLIED_REASONS}")
+        if o.errors:
+            self.store_errors.labels("scheduler").inc(o.errors)
+        self.requests.inc()
+        self.prompt_tokens.inc(o.prompt)
+        self.local_tokens.inc(o.local)
+        for t, n in o.held.items():
+            if n:
+                self.held_tokens.labels(t).inc(n)
+        for why, n in o.unsupplied.items():
+            if n:
+                self.unsupplied_tokens.labels(why).inc(n)
 
     def summary(self) -> dict:
-        loaded = {t: self._v("kvstore_engine_loaded_tokens_total", tier=t) for t in ("dram", "nvme")}
-        prompt = self._v("kvstore_engine_prompt_tokens_total")
-        return {
-            "requests": int(self._v("kvstore_engine_requests_total")),
-            "prompt_tokens": int(prompt),
-            "engine_local_hit_tokens": int(self._v("kvstore_engine_local_hit_tokens_total")),
-            "loaded_tokens": {k: int(x) for k, x in loaded.items()},
-            "recomputed_tokens": int(self._v("kvstore_engine_recomputed_tokens_total")),
-            "failed_load_tokens": int(self._v("kvstore_engine_failed_load_tokens_total")),
-            "stored_blocks": int(self._v("kvstore_engine_stored_blocks_total")),
-            "kvstore_hit_rate": (sum(loaded.values()) / prompt) if prompt else 0.0,
-        }
+        """The engine view of :func:`kvstore.stats.summarize` (logged by the connector at shutdown)."""
+        from kvstore.stats import summarize, values
+
+        return summarize(values(self.registry))["engine"]

@@ -89,12 +89,11 @@ class Mover:
                     self._error("end_load", e)
         bt = self.store.block_tokens
         for t in set(served):
-            self.metrics.loaded_tokens.labels(t).inc(served.count(t) * bt)
+            self.metrics.served_tokens.labels(t).inc(served.count(t) * bt)
         if failed:
-            n_failed = len(failed)
-            self.metrics.failed_tokens.inc(n_failed * bt)
-            self.metrics.recomputed_tokens.inc(lost * bt)
-            log.warning("kvstore: %d blocks failed to load; vLLM recomputes them", n_failed)
+            self.metrics.unsupplied_tokens.labels("load_failed").inc(len(failed) * bt)
+            log.warning("kvstore: %d blocks failed to load (%d pinned but unreadable); vLLM recomputes them",
+                        len(failed), lost)
         self.load_errors |= failed
         self._failed_step = (plan.step, failed)
         self.metrics.load_seconds.observe(time.perf_counter() - t0)

@@ -7,8 +7,11 @@ were handed to the store, and a pinned load if one is planned.
 * ``lookup``: the longest stored prefix of the prompt (never the whole prompt: the engine
   must compute at least one token). If part of it is on NVMe, a prefetch to DRAM starts and
   ``None`` ("ask again") is returned until it is done, so the scheduler never stalls on disk.
+  Blocks the engine already holds are never prefetched.
 * ``allocated``: the engine gave blocks for the matched tokens; the blocks are pinned in the
-  store (two-phase: they cannot be evicted before the worker copied them).
+  store (two-phase: they cannot be evicted before the worker copied them), and the request's
+  prompt tokens are accounted: the engine's own hit, kvstore's promise, and why the rest could
+  not be supplied (``outcome``; kvstore.offload.metrics says what each counter means).
 * ``build_step``: load plans for newly scheduled hits, store plans for every block that
   becomes full in this step (prompt blocks *and* blocks completed during decode).
 
@@ -34,6 +37,7 @@ from typing import Sequence
 
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.client import StoreClient
+from kvstore.offload.metrics import RequestOutcome
 from kvstore.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -77,9 +81,11 @@ class RequestState:
     saved_blocks: int = 0
     prefetch: int | None = None  # token of a running prefetch (client.prefetch_done)
     load: tuple | None = None  # (handle_id, first block, n blocks, tiers), until planned
-    looked_up: bool = False
     num_local: int = 0  # tokens the engine had in its own prefix cache at the lookup
     origin: tuple[str, ...] = ()  # tier of each matched block before any prefetch
+    found: int = 0  # blocks of the stored prefix at the last lookup
+    miss_reason: str | None = "never_stored"  # why the store's prefix ended (None: all of it is stored)
+    failed: bool = False  # the lookup failed (a store error): nothing is known of the store
     arrival: float = 0.0  # wall-clock seconds (for the trace)
     session: str = ""
     cacheable: bool = True
@@ -152,50 +158,74 @@ class Planner:
         except Exception as e:  # the store is unreachable or closed: a miss, never an engine error
             self._failed("lookup", e)
             st.prefetch = -1
+            st.failed = True
             return 0
 
     def _lookup(self, st: RequestState, num_computed: int) -> int | None:
-        max_blocks = max(0, (st.num_prompt_tokens - 1) // self.bs)
-        keys = self.keys_upto(st, max_blocks)
+        keys = self.keys_upto(st, self._max_blocks(st))
         if st.prefetch is not None and st.prefetch >= 0:
             if not self.client.prefetch_done(st.prefetch):
                 return None
             st.prefetch = -1  # done; never prefetch this request again
         m = self.client.contains_prefix(keys, record=False)
+        st.failed = False
         if st.prefetch is None:
             st.origin = m.tiers
-        if self.prefetch_enabled and st.prefetch is None and "nvme" in m.tiers:
-            st.prefetch = self.client.prefetch(keys[: m.num_blocks])
+        st.found, st.miss_reason = m.num_blocks, m.miss_reason
+        skip = num_computed // self.bs  # blocks the engine holds itself: never worth a read
+        if self.prefetch_enabled and st.prefetch is None and "nvme" in m.tiers[skip:]:
+            st.prefetch = self.client.prefetch(keys[skip: m.num_blocks])
             return None
-        if not st.looked_up:  # count each request once, at its decision
-            st.looked_up = True
-            self.client.contains_prefix(keys, record=True, num_tokens=st.num_prompt_tokens)
-            errors, self._unreported = self._unreported, 0
-            self.client.record_lookup(st.num_prompt_tokens, num_computed, errors)
         hit = m.num_blocks * self.bs
         return max(0, hit - num_computed)
+
+    def _max_blocks(self, st: RequestState) -> int:
+        """Full prompt blocks that may be offered: never the prompt's last token (the engine
+        must compute at least one)."""
+        return max(0, (st.num_prompt_tokens - 1) // self.bs)
+
+    def outcome(self, st: RequestState, num_external: int, got: int, tiers: tuple[str, ...]) -> RequestOutcome:
+        """Every prompt token of a scheduled request, counted once (see kvstore.offload.metrics):
+        the engine's own hit, what kvstore promised (served or failed: the worker counts those),
+        and why the rest could not be supplied. Tokens kvstore held under the engine's own hit
+        are counted apart (``held``), never as hits."""
+        p, bs, local = st.num_prompt_tokens, self.bs, st.num_local
+        o = RequestOutcome(st.req_id, p, local, num_external, got, tiers)
+        why: dict[str, int] = {}
+        if not st.cacheable or st.failed:
+            why["uncacheable" if not st.cacheable else "store_error"] = p - local - num_external
+        else:
+            for t in st.origin[: min(st.found, len(st.origin), local // bs)]:
+                o.held[t] = o.held.get(t, 0) + bs
+            top = self._max_blocks(st) * bs  # the end of the blocks that may be offered
+            covered = local + num_external  # the engine's hit, then kvstore's
+            stored = min(st.found * bs, top)  # the end of the stored prefix
+            why["not_loaded"] = max(0, stored - covered)
+            why[st.miss_reason or "never_stored"] = max(0, top - max(covered, stored))
+            why["partial_block"] = p - max(top, covered)
+        o.unsupplied = {k: v for k, v in why.items() if v > 0}
+        o.errors, self._unreported = self._unreported, 0
+        return o
 
     def allocated(self, st: RequestState, num_external: int) -> None:
         """Blocks were allocated for ``num_external`` tokens after the engine's own hit: pin them."""
         num_computed = st.num_local
         self._drop_load(st)
-        if num_external <= 0:
-            self._guard("record_alloc", self.client.record_alloc, st.req_id, st.num_prompt_tokens, num_computed,
-                        0, 0, ())
-            return
-        first = num_computed // self.bs
-        n = num_external // self.bs
-        keys = self.keys_upto(st, first + n)[first:first + n]
-        try:
-            hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id)
-        except Exception as e:  # promised but not pinned: plan it anyway, the worker fails every block
-            self._failed("begin_load", e)
-            hid, got_blocks, tier_of = 0, 0, ()
-        # attribute each block to the tier it was found in (a prefetch may have moved it)
-        tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
-        self._guard("record_alloc", self.client.record_alloc, st.req_id, st.num_prompt_tokens, num_computed,
-                    num_external, got_blocks * self.bs, tiers)
-        st.load = (hid, first, n, tiers)
+        hid, got_blocks, tiers = 0, 0, ()
+        if num_external > 0:
+            first = num_computed // self.bs
+            n = num_external // self.bs
+            keys = self.keys_upto(st, first + n)[first:first + n]
+            try:
+                hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id)
+            except Exception as e:  # promised but not pinned: plan it anyway, the worker fails every block
+                self._failed("begin_load", e)
+                hid, got_blocks, tier_of = 0, 0, ()
+            # attribute each block to the tier it was found in (a prefetch may have moved it)
+            tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
+            st.load = (hid, first, n, tiers)
+        self._guard("record_request", self.client.record_request,
+                    self.outcome(st, num_external, got_blocks * self.bs, tiers))
 
     def _guard(self, op: str, fn, *args, **kw):
         try:

@@ -21,6 +21,7 @@ import time
 
 from kvstore import failpoints
 from kvstore.offload.client import LocalClient
+from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.shared import SharedStore
 from kvstore.store import PrefixMatch
 
@@ -86,11 +87,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     res = [hid, n, list(tiers)]
                 elif op == "end_load":
                     res = c.end_load(int(a["handle"]))
-                elif op == "record_lookup":
-                    res = c.record_lookup(int(a["prompt_tokens"]), int(a["local_tokens"]), int(a.get("errors", 0)))
-                elif op == "record_alloc":
-                    res = c.record_alloc(str(a["req_id"]), int(a["prompt_tokens"]), int(a["local"]),
-                                         int(a["promised"]), int(a["got"]), list(a["tiers"]))
+                elif op == "record_request":
+                    res = c.record_request(RequestOutcome.from_json(a["outcome"]))
                 elif op == "ping":
                     res = "pong"
                 else:
@@ -228,12 +226,8 @@ class RemoteClient:
     def end_load(self, handle_id: int) -> None:
         self._call("end_load", handle=handle_id)
 
-    def record_lookup(self, prompt_tokens: int, local_tokens: int, errors: int = 0) -> None:
-        self._call("record_lookup", prompt_tokens=prompt_tokens, local_tokens=local_tokens, errors=errors)
-
-    def record_alloc(self, req_id, prompt_tokens, local, promised, got, tiers) -> None:
-        self._call("record_alloc", req_id=req_id, prompt_tokens=prompt_tokens, local=local, promised=promised,
-                   got=got, tiers=list(tiers))
+    def record_request(self, outcome: RequestOutcome) -> None:
+        self._call("record_request", outcome=outcome.to_json())
 
     def close(self) -> None:
         with self._lock:
