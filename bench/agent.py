@@ -211,6 +211,7 @@ def _open_store(store: Mapping, *, block_tokens: int, payload_bytes: int, kv_blo
                                       folder=folder, nvme_entry_bytes=s.nvme.entry_bytes)
             s = KVStore(from_dict(d), block_bytes=payload_bytes, fingerprint=fp, block_tokens=block_tokens,
                         clock=clock)
+    s.wait_ready()  # the whole DRAM pool, as configured, from the first request
     return s, blocks
 
 

@@ -117,7 +117,9 @@ def _make_store(tier: str, n_blocks: int, block_bytes: int, folder: str, a, toke
     dtype = {2: "float16", 4: "float32"}.get(a.dtype_bytes, "uint8")  # what a codec needs to know
     fp = ModelFingerprint(model=f"bench-{tier}-{time.perf_counter_ns()}", dtype=dtype, block_size=tokens,
                           num_layers=a.layers, num_kv_heads=a.kv_heads, head_size=a.head_size, codec=codec)
-    return KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=tokens)
+    s = KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=tokens)
+    s.wait_ready()  # time the tiers, not the pool's preparation
+    return s
 
 
 def _run_op(fn, keys: list[bytes], rows: np.ndarray, batch: int, threads: int,

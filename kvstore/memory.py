@@ -3,15 +3,20 @@
 Memory comes from anonymous ``mmap`` (page aligned, so O_DIRECT can read and write it in
 place), is asked for huge pages and pre-faulted once at start-up (a first touch runs at page-
 fault speed, ~0.45 GB/s here, versus ~2 GB/s populated up front). When CUDA is available it is
-pinned through torch (``cudaHostRegister``), chunk by chunk, never as one giant pin.
+pinned through torch (``cudaHostRegister``), chunk by chunk, never as one giant pin. A big slab
+pool is prepared chunk by chunk, all but the first chunk in the background (see SlabPool).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import os
 import sys
 import threading
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -20,6 +25,7 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 CHUNK_BYTES = 256 << 20
+GiB = 1 << 30
 
 
 def cuda_available() -> bool:
@@ -37,8 +43,42 @@ def cuda_available() -> bool:
         return False
 
 
+def _libc_madvise():
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl Linux
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+_madvise = _libc_madvise()
+
+
+def _populate(m: mmap.mmap, size: int) -> None:
+    """Pre-fault a whole mapping for writing. Raises OSError where the kernel cannot.
+
+    Through libc (ctypes drops the GIL for the call): ``mmap.madvise`` holds the GIL for the
+    whole pre-fault, a tenth of a second per 256 MiB, and would stall every other Python thread
+    while a pool is prepared in the background.
+    """
+    if _madvise is None:  # pragma: no cover
+        m.madvise(MADV_POPULATE_WRITE)
+        return
+    c = ctypes.c_char.from_buffer(m)
+    addr = ctypes.addressof(c)
+    del c  # no buffer export may outlive this call: the caller may close ``m``
+    if _madvise(addr, size, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 def alloc_aligned(nbytes: int, *, prefault: bool = True) -> tuple[mmap.mmap, np.ndarray]:
-    """An anonymous, page-aligned mapping of at least ``nbytes`` and a uint8 view of it."""
+    """An anonymous, page-aligned mapping of at least ``nbytes`` and a uint8 view of it.
+
+    The pre-fault runs without the GIL, so it can run on a background thread.
+    """
     size = max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
     if prefault:
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -47,7 +87,7 @@ def alloc_aligned(nbytes: int, *, prefault: bool = True) -> tuple[mmap.mmap, np.
         except (OSError, AttributeError):
             pass
         try:
-            m.madvise(MADV_POPULATE_WRITE)
+            _populate(m, size)
         except OSError:
             m.close()
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
@@ -74,30 +114,126 @@ class SlabPool:
     """``n_slots`` fixed-size slots in a few big chunks. Slot ``i`` is ``view(i)``.
 
     No allocation after start-up: ``alloc``/``free`` move integers on a free list. Thread-safe.
+
+    Preparing the memory (mapping, pre-faulting, pinning) runs at ~2 GB/s, so a pool of many
+    GiB would hold up whoever builds it for seconds. The first chunk (up to ``chunk_bytes``) is
+    prepared in ``__init__``; the rest, if any, on one daemon thread, chunk by chunk and in slot
+    order. A chunk's slots become usable (views published, then put on the free list) as soon
+    as it is ready: ``ready_slots`` grows from ``initial_slots`` to ``n_slots``, and ``alloc``,
+    ``n_free`` only ever see ready slots. A pool that fits one chunk (or ``background=False``)
+    is fully ready when ``__init__`` returns, as before.
+
+    ``on_ready(n_new_slots)`` is called from the background thread after each background chunk
+    is published (never for the ``initial_slots`` prepared in ``__init__``, never under the
+    pool's lock), so ``initial_slots`` + the sum of the calls == ``ready_slots``. The pool counts
+    as ``ready`` only once the last call has returned. One log line says when a background
+    preparation starts, one (logger ``kvstore.memory``) when the whole pool is ready: size,
+    chunks, seconds, pinned or not.
     """
 
-    def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
+                 on_ready: Callable[[int], None] | None = None, background: bool = True):
         assert slot_bytes > 0 and n_slots >= 0
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
-        per_chunk = max(1, chunk_bytes // slot_bytes)
+        self._per_chunk = max(1, chunk_bytes // slot_bytes)
+        self.n_chunks = -(-n_slots // self._per_chunk)
         self._maps: list[mmap.mmap] = []
-        self._views: list[np.ndarray] = []
+        self._views: list[np.ndarray] = []  # appended chunk by chunk, before the slots are freed
         self._registered: list[int] = []
         self.pinned = False
-        want_pin = cuda_available() if pin == "auto" else bool(pin)
-        left = n_slots
-        while left > 0:
-            k = min(per_chunk, left)
-            m, arr = alloc_aligned(k * slot_bytes)
-            if want_pin:
-                self.pinned = self._pin(arr) or self.pinned
-            self._maps.append(m)
-            self._views.extend(arr[i * slot_bytes:(i + 1) * slot_bytes] for i in range(k))
-            left -= k
-        self._free = list(range(n_slots - 1, -1, -1))
+        self._want_pin = cuda_available() if pin == "auto" else bool(pin)
+        self._on_ready = on_ready
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        self._free: list[int] = []  # ready, free slots; popped from the end (lowest slot first)
+        self._ready_slots = 0
+        self._stop = threading.Event()
+        self._done = threading.Event()  # set when preparation ended (complete, stopped or failed)
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why a background preparation stopped short
+        self.prepare_s: float | None = None  # seconds from __init__ to fully ready
+        self._t0 = time.perf_counter()
+        try:
+            if n_slots:
+                self._add_chunk()
+            while background is False and self._ready_slots < n_slots:
+                self._add_chunk()
+        except BaseException:
+            self._unmap()
+            raise
+        self.initial_slots = self._ready_slots
+        if self._ready_slots == n_slots:
+            self._finish()
+        else:
+            log.info("kvstore: DRAM pool: preparing %.2f GiB (%d chunks) in the background; "
+                     "%.2f GiB (%d of %d slots) ready now",
+                     n_slots * slot_bytes / GiB, self.n_chunks, self._ready_slots * slot_bytes / GiB,
+                     self._ready_slots, n_slots)
+            self._thread = threading.Thread(target=self._prepare_rest, name="kvstore-dram-prefault", daemon=True)
+            self._thread.start()
+
+    # -- preparation -----------------------------------------------------------------------------
+    def _add_chunk(self) -> int:
+        """Map, pre-fault and pin the next chunk, then publish its slots. Returns how many."""
+        first = self._ready_slots
+        k = min(self._per_chunk, self.n_slots - first)
+        m, arr = alloc_aligned(k * self.slot_bytes)
+        self._maps.append(m)
+        if self._want_pin:
+            self.pinned = self._pin(arr) or self.pinned
+        sb = self.slot_bytes
+        views = [arr[i * sb:(i + 1) * sb] for i in range(k)]
+        with self._cond:
+            self._views.extend(views)  # views first: a slot on the free list always has one
+            # below the free slots already there, so alloc keeps handing out the lowest first
+            self._free[:0] = range(first + k - 1, first - 1, -1)
+            self._ready_slots = first + k
+            self._cond.notify_all()
+        return k
+
+    def _prepare_rest(self) -> None:
+        try:
+            while self._ready_slots < self.n_slots and not self._stop.is_set():
+                k = self._add_chunk()
+                if self._on_ready is not None:
+                    try:
+                        self._on_ready(k)
+                    except Exception:
+                        log.exception("kvstore: DRAM pool on_ready callback failed")
+        except BaseException as e:  # out of memory, mmap failure: keep what is ready
+            self.error = e
+            log.error("kvstore: DRAM pool preparation stopped at %.2f of %.2f GiB (%d of %d slots): %s",
+                      self._ready_slots * self.slot_bytes / GiB, self.n_slots * self.slot_bytes / GiB,
+                      self._ready_slots, self.n_slots, e)
+        finally:
+            if self._ready_slots == self.n_slots:
+                self._finish()
+            else:
+                self._done.set()
+
+    def _finish(self) -> None:
+        self.prepare_s = time.perf_counter() - self._t0
+        if self.n_slots:
+            log.info("kvstore: DRAM pool ready: %.2f GiB in %d chunks, %.1f s (%s)",
+                     self.n_slots * self.slot_bytes / GiB, self.n_chunks, self.prepare_s,
+                     "pinned" if self.pinned else "not pinned")
+        self._done.set()
+
+    @property
+    def ready_slots(self) -> int:
+        """Slots usable now (``0..ready_slots-1``); grows to ``n_slots`` while preparing."""
+        return self._ready_slots
+
+    @property
+    def ready(self) -> bool:
+        """Every slot is usable (and every ``on_ready`` call has returned)."""
+        return self._done.is_set() and self._ready_slots == self.n_slots
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the whole pool is ready. False on timeout, or if preparation stopped
+        short (``close`` while preparing, or an allocation failure: see ``error``)."""
+        return self._done.wait(timeout) and self.ready
 
     def _pin(self, arr: np.ndarray) -> bool:
         try:
@@ -114,27 +250,38 @@ class SlabPool:
             log.warning("pinning the DRAM tier failed: %s", e)
             return False
 
+    # -- slots -----------------------------------------------------------------------------------
     def view(self, slot: int) -> np.ndarray:
         return self._views[slot]
 
     def alloc(self, timeout: float = 0.0) -> int | None:
-        """A free slot, or None. ``timeout`` > 0 waits that long for one to be freed."""
+        """A free ready slot, or None. ``timeout`` > 0 waits that long for one to be freed (or
+        to become ready)."""
         with self._cond:
             if not self._free and timeout > 0:
                 self._cond.wait_for(lambda: bool(self._free), timeout)
             return self._free.pop() if self._free else None
 
     def free(self, slot: int) -> None:
-        assert 0 <= slot < self.n_slots
+        assert 0 <= slot < self._ready_slots
         with self._cond:
             self._free.append(slot)
             self._cond.notify()
 
     @property
     def n_free(self) -> int:
+        """Free slots among the ready ones."""
         return len(self._free)
 
     def close(self) -> None:
+        """Stop a background preparation (it finishes the chunk in hand), then unmap."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        self._unmap()
+
+    def _unmap(self) -> None:
         if self._registered:
             try:
                 import torch
@@ -144,6 +291,8 @@ class SlabPool:
             except Exception:  # pragma: no cover
                 pass
             self._registered.clear()
+        with self._cond:
+            self._free.clear()
         self._views.clear()
         for m in self._maps:
             try:

@@ -351,7 +351,7 @@ class KVStore:
         # chunks of at most half the DRAM slots, so a batch larger than DRAM still goes
         # through (each chunk's commit lets the next one evict, i.e. demote, the previous).
         # Last chunk first: the head of a chain ends most recent, so it is demoted last.
-        step = max(1, self.dram.pool.n_slots // 2)
+        step = max(1, self.dram.pool.ready_slots // 2)  # while the pool is prepared: what is ready
         n = 0
         for i in reversed(range(0, len(keys), step)):
             h = self.begin_store(keys[i:i + step])
@@ -676,6 +676,11 @@ class KVStore:
             self.metrics.bytes_held.labels(t.name).set(t.used_bytes)
             self.metrics.capacity.labels(t.name).set(t.capacity_bytes)  # a full disk lowers it
         self._sync_corrupt_metrics()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the DRAM pool (prepared in the background after its first chunk) to be
+        whole; for benchmarks and replays that need the configured capacity from the start."""
+        return self.dram.wait_ready(timeout) if self.dram is not None else True
 
     def stats(self) -> dict:
         """Counts per tier plus every metric sample."""

@@ -119,7 +119,7 @@ def check_tier(tier, quiescent: bool = True) -> None:
             slots = [e.slot for e in tier.index.entries.values()]
             assert all(s >= 0 for s in slots)
             assert len(set(slots)) == len(slots), "two entries share a DRAM slot"
-            assert tier.pool.n_free == tier.pool.n_slots - len(slots), "DRAM slots leaked"
+            assert tier.pool.n_free == tier.pool.ready_slots - len(slots), "DRAM slots leaked"
         if tier.name == "nvme":
             on_disk = {bytes.fromhex(p.name[:-len(ff.SUFFIX)]) for p in nvme_files(tier)}
             assert on_disk == set(tier.index.entries), "NVMe files and index disagree"

@@ -1,4 +1,9 @@
-"""DRAM tier: blocks are slots of one pre-allocated, pre-faulted (and, with CUDA, pinned) pool."""
+"""DRAM tier: blocks are slots of one pre-allocated, pre-faulted (and, with CUDA, pinned) pool.
+
+A big pool is prepared in the background (see ``SlabPool``): the tier starts with the capacity
+of the slots ready when it is built and grows, chunk by chunk, to ``target_capacity_bytes``;
+the index never admits more blocks than there are ready slots.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import numpy as np
 
 from kvstore.fileformat import round_up
 from kvstore.index import Entry
-from kvstore.memory import SlabPool, as_bytes
+from kvstore.memory import CHUNK_BYTES, SlabPool, as_bytes
 from kvstore.tiers.base import Tier
 
 
@@ -20,13 +25,38 @@ class DramTier(Tier):
     name = "dram"
 
     def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
-                 clock: Callable[[], float] = time.time, pin: bool | str = "auto"):
+                 clock: Callable[[], float] = time.time, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES):
         # Slots are padded to 4 KiB so NVMe O_DIRECT I/O can use them in place.
         self.slot_bytes = round_up(block_bytes)
         n_slots = capacity_bytes // self.slot_bytes
-        super().__init__(capacity_bytes=n_slots * self.slot_bytes, ttl_s=ttl_s, policy=policy,
+        self.target_capacity_bytes = n_slots * self.slot_bytes  # configured; capacity_bytes: ready now
+        # capacity grows with the pool: initial slots below, background chunks in _on_pool_ready
+        super().__init__(capacity_bytes=0, ttl_s=ttl_s, policy=policy,
                          block_bytes=block_bytes, clock=clock, entry_bytes=self.slot_bytes)
-        self.pool = SlabPool(n_slots, self.slot_bytes, pin=pin)
+        self._closed = False
+        self.pool = SlabPool(n_slots, self.slot_bytes, pin=pin, chunk_bytes=chunk_bytes, on_ready=self._on_pool_ready)
+        with self.lock:
+            self.index.capacity += self.pool.initial_slots * self.slot_bytes
+
+    def _on_pool_ready(self, n_new_slots: int) -> None:
+        """A background chunk of the pool is ready (its slots already free): admit its blocks."""
+        # Never block forever on the tier lock: close() may run under it, waiting for this thread.
+        while not self.lock.acquire(timeout=0.05):
+            if self._closed:
+                return
+        try:
+            self.index.capacity += n_new_slots * self.slot_bytes
+        finally:
+            self.lock.release()
+
+    @property
+    def ready(self) -> bool:
+        """The whole pool is prepared (capacity_bytes == target_capacity_bytes)."""
+        return self.pool.ready
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the whole pool is prepared. False on timeout or if preparation stopped short."""
+        return self.pool.wait_ready(timeout)
 
     def _assign(self, entry: Entry, wait: bool = True) -> bool:
         # The index never holds more entries than there are slots, but a slot whose entry just
@@ -59,4 +89,5 @@ class DramTier(Tier):
         return True
 
     def close(self) -> None:
+        self._closed = True
         self.pool.close()

@@ -44,6 +44,7 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
         prompt = replay_hits = 0
         with KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, clock=clock,
                      metrics=StoreMetrics(port=None)) as store:
+            store.wait_ready()  # the simulator has the whole DRAM capacity from the start
             for t, s, ks, pt, bt, rep in trace.requests():
                 clock.t = t
                 keys = [k.to_bytes(16, "little") for k in ks]
