@@ -193,6 +193,10 @@ class SlabPool:
         return k
 
     def _prepare_rest(self) -> None:
+        try:  # lowest CPU priority for this thread alone (Linux): the engine starting up comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):  # pragma: no cover
+            pass
         try:
             while self._ready_slots < self.n_slots and not self._stop.is_set():
                 k = self._add_chunk()

@@ -194,10 +194,15 @@ def _block(i: int) -> np.ndarray:
     return np.full(SLOT, i % 256, dtype=np.uint8)
 
 
+def _tier(n_slots: int, clock) -> DramTier:
+    """A DRAM tier of ``n_slots`` slots in small chunks (prepared in the background)."""
+    return DramTier(capacity_bytes=n_slots * SLOT, ttl_s=None, policy="lru", block_bytes=SLOT, clock=clock,
+                    pin=False, chunk_bytes=CHUNK)
+
+
 def test_dram_tier_capacity_grows_with_the_pool(clock):
     n = PER_CHUNK * 64
-    t = DramTier(capacity_bytes=n * SLOT, ttl_s=None, policy="lru", block_bytes=SLOT, clock=clock, pin=False,
-                 chunk_bytes=CHUNK)
+    t = _tier(n, clock)
     try:
         assert t.target_capacity_bytes == n * SLOT
         caps = []
@@ -225,8 +230,7 @@ def test_dram_tier_capacity_grows_with_the_pool(clock):
 def test_dram_tier_admits_blocks_while_preparing(clock):
     """Puts during preparation: never more entries than ready slots, never a wait for a slot."""
     n = PER_CHUNK * 200
-    t = DramTier(capacity_bytes=n * SLOT, ttl_s=None, policy="lru", block_bytes=SLOT, clock=clock, pin=False,
-                 chunk_bytes=CHUNK)
+    t = _tier(n, clock)
     try:
         i, t0 = 0, time.monotonic()
         while not t.ready:
@@ -244,8 +248,7 @@ def test_dram_tier_admits_blocks_while_preparing(clock):
 def test_dram_tier_close_while_preparing_under_the_tier_lock(clock):
     """close() may run while the caller holds the tier lock the pool's callback needs."""
     n = PER_CHUNK * 2000
-    t = DramTier(capacity_bytes=n * SLOT, ttl_s=None, policy="lru", block_bytes=SLOT, clock=clock, pin=False,
-                 chunk_bytes=CHUNK)
+    t = _tier(n, clock)
     with t.lock:
         time.sleep(0.05)  # the background thread is now waiting for the lock in its callback
         t0 = time.monotonic()

@@ -291,7 +291,7 @@ class Simulator:
             self.t_last = now
 
     def _load(self, keys, dents, nents, n_nvme: int, session, now: float) -> None:
-        """KVStore._begin_load + end_load for the matched prefix."""
+        """KVStore.begin_load (pin_load + read_load) + end_load for the matched prefix."""
         D, N = self.D, self.N
         for e in dents:
             if e is not None:
