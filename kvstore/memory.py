@@ -130,8 +130,9 @@ class SlabPool:
     prepared in ``__init__``; the rest, if any, on one daemon thread, chunk by chunk and in slot
     order. A chunk's slots become usable (views published, then put on the free list) as soon
     as it is ready: ``ready_slots`` grows from ``initial_slots`` to ``n_slots``, and ``alloc``,
-    ``n_free`` only ever see ready slots. A pool that fits one chunk (or ``background=False``)
-    is fully ready when ``__init__`` returns, as before.
+    ``n_free`` only ever see ready slots. A pool that fits one chunk (or ``background=False``,
+    or a pinned pool: CUDA registration stays on the constructing thread) is fully ready when
+    ``__init__`` returns, as before.
 
     ``on_ready(n_new_slots)`` is called from the background thread after each background chunk
     is published (never for the ``initial_slots`` prepared in ``__init__``, never under the
@@ -167,7 +168,10 @@ class SlabPool:
         try:
             if n_slots:
                 self._add_chunk()
-            while background is False and self._ready_slots < n_slots:
+            # Pinned pools are prepared here, whole: cudaHostRegister from another thread would
+            # run on device 0 (not this worker's GPU) and can break a CUDA-graph capture running
+            # meanwhile (vLLM reverted its own async pinning for that, vllm#46933).
+            while (background is False or self._want_pin) and self._ready_slots < n_slots:
                 self._add_chunk()
         except BaseException:
             self._unmap()

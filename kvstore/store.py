@@ -189,7 +189,8 @@ class KVStore:
         if self.nvme is not None:
             self.nvme.on_evict = self._on_nvme_evict
         for t in self.tiers:
-            self.metrics.capacity.labels(t.name).set(t.capacity_bytes)
+            # read at scrape time: a full disk lowers NVMe's, DRAM's grows as its pool is prepared
+            self.metrics.capacity.labels(t.name).set_function(lambda t=t: t.capacity_bytes)
         self._update_gauges()
 
     def _codec_geometry_tag(self, codec: str, fingerprint, kv_dtype: str | None, group_elems: int | None) -> bytes:
@@ -674,7 +675,6 @@ class KVStore:
         for t in self.tiers:
             self.metrics.blocks.labels(t.name).set(len(t))
             self.metrics.bytes_held.labels(t.name).set(t.used_bytes)
-            self.metrics.capacity.labels(t.name).set(t.capacity_bytes)  # a full disk lowers it
         self._sync_corrupt_metrics()
 
     def wait_ready(self, timeout: float | None = None) -> bool:

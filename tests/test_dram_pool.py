@@ -133,7 +133,7 @@ def test_close_while_preparing_is_prompt_and_stops_the_thread():
     assert pool.wait_ready(0.05) is False
     t0 = time.monotonic()
     pool.close()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 3  # vs the 10 s a preparation would take
     assert not pool._thread.is_alive()
     assert pool.ready_slots < n and not pool.ready and pool.wait_ready(0) is False
     assert pool.alloc() is None
@@ -238,7 +238,7 @@ def test_dram_tier_admits_blocks_while_preparing(clock):
             i += 1
             with t.lock:
                 assert len(t) * SLOT <= t.capacity_bytes <= t.pool.ready_slots * SLOT
-        assert time.monotonic() - t0 < 2 and t.stats.get("no_room", 0) == 0
+        assert time.monotonic() - t0 < 5 and t.stats.get("no_room", 0) == 0
         assert t.wait_ready(5) and t.capacity_bytes == t.target_capacity_bytes
         check_tier(t)
     finally:
@@ -253,5 +253,5 @@ def test_dram_tier_close_while_preparing_under_the_tier_lock(clock):
         time.sleep(0.05)  # the background thread is now waiting for the lock in its callback
         t0 = time.monotonic()
         t.close()
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 5  # a deadlock would hang; a slot wait is 10 s
     assert not t.pool._thread.is_alive() and not t.ready

@@ -106,3 +106,17 @@ def test_readme_lists_every_metric():
     for n in names:  # Prometheus conventions: a prefix, base units, _total on counters
         assert n.startswith("kvstore_") and n == n.lower()
         assert not any(n.endswith(s) for s in ("_ms", "_kb", "_mb", "_gb", "_count")), n
+
+
+def test_a_resumed_request_whose_own_hit_covers_generated_tokens():
+    """After a preemption vLLM's own hit may run past the prompt (it covers generated tokens):
+    the prompt is still counted once, all of it engine-local."""
+    _, o = schedule(0, toks(10, 4), 12)
+    assert o.local == 10 and o.unsupplied == {}
+
+
+def test_negative_counts_are_refused_before_anything_is_counted():
+    m = OffloadMetrics(CollectorRegistry())
+    with pytest.raises(ValueError, match="negative"):
+        m.record(RequestOutcome("r", 5, 0, 0, 0, unsupplied={"partial_block": -1}))
+    assert m.summary()["requests"] == 0 and m.summary()["prompt_tokens"] == 0

@@ -341,6 +341,11 @@ def test_preemption_under_a_tiny_kv_space(tiny_model, tmp_path):
         out, cached = e.generate(prompts, max_tokens=40)
         assert out == ref
         assert all(c > 0 for c in cached)
+        # preempted requests are counted again when rescheduled; each time, every prompt token once
+        m = e.shared.metrics.summary()
+        assert m["requests"] >= 12
+        assert sum(m["served_tokens"].values()) + sum(m["unsupplied_tokens"].values()) == m["needed_tokens"], m
+        assert m["needed_tokens"] == m["prompt_tokens"] - m["engine_local_hit_tokens"] >= 0
 
 
 def test_two_models_never_share_blocks(tiny_model, tiny_model_b, tmp_path):

@@ -98,6 +98,9 @@ class OffloadMetrics:
         """A request's scheduler-side outcome (served and load failures come from the worker)."""
         bad = [t for t in (*o.held, *o.tiers) if t not in TIERS] + [r for r in o.unsupplied if r not in
                                                                      UNSUPPLIED_REASONS]
+        counts = [o.prompt, o.local, o.promised, o.got, o.errors, *o.held.values(), *o.unsupplied.values()]
+        if any(n < 0 for n in counts):
+            raise ValueError(f"request outcome {o.req_id!r}: negative count in {counts}")
         if bad:  # labels come from the scheduler: never let them grow the metric's label set
             raise ValueError(f"request outcome: unknown tier or reason {bad}; tiers {TIERS}, "
                              f"reasons {UNSUPPLIED_REASONS}")

@@ -189,7 +189,9 @@ class Planner:
         the engine's own hit, what kvstore promised (served or failed: the worker counts those),
         and why the rest could not be supplied. Tokens kvstore held under the engine's own hit
         are counted apart (``held``), never as hits."""
-        p, bs, local = st.num_prompt_tokens, self.bs, st.num_local
+        # a resumed (preempted) request's own hit may cover generated tokens too: count the prompt's
+        p, bs = st.num_prompt_tokens, self.bs
+        local = min(st.num_local, p)
         o = RequestOutcome(st.req_id, p, local, num_external, got, tiers)
         why: dict[str, int] = {}
         if not st.cacheable or st.failed:
@@ -204,7 +206,6 @@ class Planner:
             why[st.miss_reason or "never_stored"] = max(0, top - max(covered, stored))
             why["partial_block"] = p - max(top, covered)
         o.unsupplied = {k: v for k, v in why.items() if v > 0}
-        o.errors, self._unreported = self._unreported, 0
         return o
 
     def allocated(self, st: RequestState, num_external: int) -> None:
@@ -224,8 +225,13 @@ class Planner:
             # attribute each block to the tier it was found in (a prefetch may have moved it)
             tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
             st.load = (hid, first, n, tiers)
-        self._guard("record_request", self.client.record_request,
-                    self.outcome(st, num_external, got_blocks * self.bs, tiers))
+        o = self.outcome(st, num_external, got_blocks * self.bs, tiers)
+        o.errors, self._unreported = self._unreported, 0
+        try:
+            self.client.record_request(o)
+        except Exception as e:  # the errors it carried are reported with the next one
+            self._unreported += o.errors
+            self._failed("record_request", e)
 
     def _guard(self, op: str, fn, *args, **kw):
         try:
