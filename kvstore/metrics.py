@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.exposition import generate_latest
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+TIERS = ("dram", "nvme")  # the tier label's values
 MISS_REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "corrupt")
 
 

@@ -13,7 +13,8 @@ import urllib.request
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-TIERS = ("dram", "nvme")
+from kvstore.metrics import TIERS
+
 HIT_RATE_MEANS = "served / (prompt - engine-local hits)"
 
 

@@ -37,7 +37,7 @@ from kvstore.config import ConfigError, StoreConfig
 from kvstore.fileformat import CODEC_IDS
 from kvstore.index import Entry
 from kvstore.keys import ModelFingerprint, root_of
-from kvstore.metrics import StoreMetrics
+from kvstore.metrics import TIERS, StoreMetrics
 from kvstore.tiers import DramTier, NvmeTier, Tier
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class KVStore:
         m, bt = self.metrics, self.block_tokens
         m.lookup_blocks.inc(n_keys)
         m.lookup_tokens.inc(n_keys * bt)
-        for name in ("dram", "nvme"):
+        for name in TIERS:
             c = tiers.count(name)
             if c:
                 m.hit_blocks.labels(name).inc(c)

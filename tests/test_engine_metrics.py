@@ -120,3 +120,30 @@ def test_negative_counts_are_refused_before_anything_is_counted():
     with pytest.raises(ValueError, match="negative"):
         m.record(RequestOutcome("r", 5, 0, 0, 0, unsupplied={"partial_block": -1}))
     assert m.summary()["requests"] == 0 and m.summary()["prompt_tokens"] == 0
+
+
+def test_blocks_the_engine_holds_are_never_prefetched():
+    """Only the NVMe blocks past the engine's own hit are prefetched (a read for nothing, and a
+    request kept waiting, otherwise)."""
+    class NvmeClient(FakeClient):
+        def contains_prefix(self, keys, record=False, num_tokens=None):
+            m = super().contains_prefix(keys, record, num_tokens)
+            return type(m)(m.num_blocks, ("nvme",) * m.num_blocks, m.miss_reason)
+
+        def prefetch(self, keys):
+            self.prefetched = list(keys)
+            return super().prefetch(keys)
+
+    ids = toks(17, 5)
+    for local, want in ((16, None), (8, 2), (0, 4)):
+        c = NvmeClient()
+        p = Planner(c, FP, BS, prefetch=True)
+        keys = p.keys_upto(p.track("probe", ids, 17), 4)
+        c.stored = set(keys)
+        st = p.track("r", ids, 17)
+        first = p.lookup(st, local)
+        if want is None:  # all of it in the engine already: no prefetch, nothing to offer
+            assert first == 0 and "prefetch" not in c.calls
+        else:
+            assert first is None and c.prefetched == keys[4 - want:]
+            assert p.lookup(st, local) == 16 - local  # the prefetch is done: offered

@@ -23,9 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstore.metrics import LATENCY_BUCKETS, MISS_REASONS
-
-TIERS = ("dram", "nvme")
+from kvstore.metrics import LATENCY_BUCKETS, MISS_REASONS, TIERS
 
 # Why a prompt token the engine needed was not served: the store's miss reasons for the first
 # block it lacked (kvstore.metrics.MISS_REASONS), and
