@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# bench/gpu_copy.sh: on a GPU machine, build the copy extension (CPU + CUDA
-# modules), run the CUDA tests against the CPU oracle, and run the GPU (and CPU)
-# copy benchmark.  Results go to $OUT (default: out/gpu_copy).
+# bench/gpu_copy.sh: the GPU path in one call (issue 15). On a GPU machine: build the copy
+# extension (CPU + CUDA modules, sm_90) against the torch there, then
+#   1. tests: the CUDA copy against the CPU oracle (every layout, fp16/bf16/fp8, 1..4,096 blocks,
+#      default and side stream, kernel and batched-DMA byte for byte), the store round trip on the
+#      GPU (Mover + KVStore with pinned DRAM and NVMe: save, demote, load back, byte-identical;
+#      a side-stream load ordered before a consumer kernel by its event), the DRAM slab pinned;
+#   2. bandwidth: bench/gpu_bench.py (gather/scatter vs cudaMemcpyAsync of the same bytes, at
+#      16/32/128-token blocks, 1/16/256 blocks per call, idle and under a bf16 matmul; the slab's
+#      RSS against its capacity and its copy speed);
+#   3. compute-sanitizer memcheck on a subset (bench/gpu_sanitize.py);
+# and write report.md + JSON into the folder given (default: out/gpu_copy).
 #
-#   bash bench/gpu_copy.sh                 # from the repository root
-#   OUT=/somewhere bash bench/gpu_copy.sh
+#   bash bench/gpu_copy.sh OUT_DIR                 # from anywhere
 #
-# Needs: python3 with torch (CUDA build), numpy, pytest; nvcc; cmake (>= 3.18);
-# nanobind (Python package).  ninja is used when present.  No network: if
-# nanobind (or scikit-build-core, for the pip route) is missing, carry the wheels
-# in .whl/ (git-ignored; e.g. `pip download nanobind scikit-build-core -d .whl`
-# on a connected machine, then pass ".whl" in the device run's carry list):
-# they are installed from there with --no-index.
+# Needs: python3 with torch (CUDA build), numpy, pytest, PyYAML, xxhash, prometheus-client; nvcc;
+# cmake (>= 3.18); nanobind. zstandard (or any other missing wheel) can be carried in .whl/
+# (git-ignored): wheels there are installed with --no-index into a temp folder first.
 #
 # Knobs: PYTHON (default python3), KVCOPY_CUDA_ARCHS (default "90", H100/H200),
-# KVCOPY_BUILD_DIR (default: a fresh temp dir), BENCH_ARGS (extra flags for the
-# GPU benchmark, e.g. "--block-sizes 16 --blocks 256"), SKIP_CPU_BENCH=1.
+# KVCOPY_BUILD_DIR (default: a fresh temp dir), BENCH_ARGS (extra flags for bench/gpu_bench.py,
+# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), SKIP_TESTS=1, SKIP_SANITIZER=1, SANITIZER_TIMEOUT (default 240 s).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-OUT="${OUT:-$REPO/out/gpu_copy}"
+OUT="${1:-${OUT:-$REPO/out/gpu_copy}}"
+OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 LOG="$OUT/gpu_copy.log"
@@ -57,16 +62,14 @@ cat "$OUT/env.txt" >>"$LOG"
 log "environment written to $OUT/env.txt"
 
 # ------------------------------------------------------- 1. build prerequisites
-if ! "$PY" -c "import nanobind" 2>/dev/null; then
-  if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
-    log "installing nanobind / scikit-build-core from .whl/"
-    "$PY" -m pip install --no-index --find-links "$REPO/.whl" nanobind scikit-build-core >>"$LOG" 2>&1 \
-      || "$PY" -m pip install --no-index --find-links "$REPO/.whl" nanobind >>"$LOG" 2>&1 \
-      || fail "could not install nanobind from .whl/"
-  else
-    fail "nanobind is not installed and no wheels were carried in .whl/ (pip download nanobind -d .whl)"
-  fi
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+  SITE="$(mktemp -d /tmp/kvstore-site.XXXXXX)"
+  log "installing carried wheels: $(ls "$REPO"/.whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$REPO"/.whl/*.whl \
+    >>"$LOG" 2>&1 || fail "could not install the wheels in .whl/"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+"$PY" -c "import nanobind" 2>/dev/null || fail "nanobind is not installed (carry its wheel in .whl/)"
 command -v cmake >/dev/null || "$PY" -m cmake --version >/dev/null 2>&1 || fail "cmake not found"
 CMAKE=cmake; command -v cmake >/dev/null || CMAKE="$PY -m cmake"
 if ! command -v nvcc >/dev/null; then
@@ -97,28 +100,45 @@ print('cuda devices:', cu.device_count() if cu else 0, '|', cu.runtime_info() if
 " 2>&1 | tee -a "$LOG"
 
 # --------------------------------------------------------------------- 3. tests
-log "tests: CUDA path against the CPU oracle, then the CPU suite"
-"$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kvcopy_cuda.py tests/test_kvcopy.py \
-  >"$OUT/pytest.txt" 2>&1
+log "tests: CUDA path against the CPU oracle, the store round trip on the GPU, then the CPU suite"
+[ "${SKIP_TESTS:-0}" = "1" ] && log "SKIP_TESTS=1: tests skipped" || "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kvcopy_cuda.py tests/test_gpu_store.py \
+  tests/test_kvcopy.py >"$OUT/pytest.txt" 2>&1
 rc=$?
 tail -n 25 "$OUT/pytest.txt" | tee -a "$LOG"
 [ $rc -eq 0 ] || { log "tests failed (rc=$rc), see $OUT/pytest.txt"; status=1; }
 
 # ----------------------------------------------------------------- 4. benchmark
-log "GPU benchmark"
+log "GPU benchmark (bench/gpu_bench.py)"
 # shellcheck disable=SC2086
-"$PY" -m bench.copy_bench --device cuda --json "$OUT/gpu_copy_bench.json" ${BENCH_ARGS:-} \
-  >"$OUT/gpu_copy_bench.md" 2>>"$LOG"
+"$PY" -m bench.gpu_bench --out "$OUT" ${BENCH_ARGS:-} >>"$LOG" 2>&1
 rc=$?
-cat "$OUT/gpu_copy_bench.md" | tee -a "$LOG"
 [ $rc -eq 0 ] || { log "GPU benchmark failed (rc=$rc)"; status=1; }
 
-if [ "${SKIP_CPU_BENCH:-0}" != "1" ]; then
-  log "CPU benchmark (this machine's cores, default threads)"
-  "$PY" -m bench.copy_bench --device cpu --total-mb 1024 --json "$OUT/cpu_copy_bench.json" \
-    >"$OUT/cpu_copy_bench.md" 2>>"$LOG" || { log "CPU benchmark failed"; status=1; }
-  cat "$OUT/cpu_copy_bench.md" | tee -a "$LOG"
+# ------------------------------------------------------------ 5. memcheck subset
+if [ "${SKIP_SANITIZER:-0}" != "1" ]; then
+  CS="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+  if [ -n "$CS" ]; then
+    log "compute-sanitizer memcheck on bench/gpu_sanitize.py"
+    t0=$(date +%s)
+    timeout "${SANITIZER_TIMEOUT:-240}" "$CS" --tool memcheck --error-exitcode 9 --print-limit 20 \
+      "$PY" -m bench.gpu_sanitize >"$OUT/sanitizer.txt" 2>&1
+    rc=$?
+    tail -n 6 "$OUT/sanitizer.txt" | tee -a "$LOG"
+    log "memcheck rc=$rc in $(( $(date +%s) - t0 )) s"
+    [ $rc -eq 0 ] || status=1
+  else
+    log "compute-sanitizer not found: memcheck skipped"; status=1
+  fi
 fi
+
+# -------------------------------------------------------------------- 6. report
+{
+  echo "# bench/gpu_copy.sh report ($(date -u +%FT%TZ), status $status)"
+  echo; echo '```'; grep -E "^NVIDIA|Driver Version|torch |nvcc|release" "$OUT/env.txt" | head -6; echo '```'
+  echo; echo "## Tests"; echo '```'; tail -n 15 "$OUT/pytest.txt"; echo '```'
+  echo; echo "## compute-sanitizer memcheck"; echo '```'; tail -n 6 "$OUT/sanitizer.txt" 2>/dev/null; echo '```'
+  echo; cat "$OUT/gpu_bench.md" 2>/dev/null
+} >"$OUT/report.md"
 
 log "done (status $status); results in $OUT"
 exit $status

@@ -23,6 +23,7 @@ Places (the context each passes) and the actions that make sense there:
   ``rewrite``: each file is replaced by another key's valid file (another process rewrote it).
 * ``nvme.read`` (path): ``eio``: the read fails with EIO (an unreadable file).
 * ``mover.scatter``: ``raise``: the copy into the engine's blocks fails.
+* ``memory.pin``: ``raise``: registering a DRAM chunk with CUDA fails (start-up must fail).
 * ``rpc.serve`` (sock): ``close``: the worker closes the store socket mid-call.
 """
 

@@ -20,6 +20,8 @@ from typing import Callable
 
 import numpy as np
 
+from kvstore import failpoints
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -120,6 +122,10 @@ def is_aligned(arr, align: int = PAGE) -> bool:
     return a.ctypes.data % align == 0
 
 
+class PinError(RuntimeError):
+    """The DRAM tier could not be registered with CUDA (raised at start-up)."""
+
+
 class SlabPool:
     """``n_slots`` fixed-size slots in a few big chunks. Slot ``i`` is ``view(i)``.
 
@@ -195,7 +201,8 @@ class SlabPool:
         m, arr = alloc_aligned(k * self.slot_bytes)
         self._maps.append(m)
         if self._want_pin:
-            self.pinned = self._pin(arr) or self.pinned
+            self._pin(arr)  # raises: a pool asked to be pinned is pinned whole, or not made
+            self.pinned = True
         sb = self.slot_bytes
         views = [arr[i * sb:(i + 1) * sb] for i in range(k)]
         with self._cond:
@@ -253,20 +260,24 @@ class SlabPool:
         short (``close`` while preparing, or an allocation failure: see ``error``)."""
         return self._done.wait(timeout) and self.ready
 
-    def _pin(self, arr: np.ndarray) -> bool:
+    def _pin(self, arr: np.ndarray) -> None:
+        """Register one chunk with CUDA (``cudaHostRegister``): copies from it then run at pinned
+        speed (H200, measured: 51 GB/s from slab slots against 55 GB/s for one big memcpy), and RSS
+        stays at the capacity (PyTorch's own pinned allocator rounds 4.5 GiB up to 8 GiB). A failure
+        is an error at start-up, never a silently slower tier."""
+        ptr, rc = arr.ctypes.data, None
         try:
+            failpoints.fire("memory.pin")
             import torch
 
-            ptr = arr.ctypes.data
-            rc = torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, 0)
-            if int(rc) != 0:
-                log.warning("cudaHostRegister failed (%s); DRAM tier is unpinned", rc)
-                return False
-            self._registered.append(ptr)
-            return True
-        except Exception as e:  # pragma: no cover - only with CUDA
-            log.warning("pinning the DRAM tier failed: %s", e)
-            return False
+            rc = int(torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, 0))
+        except Exception as e:
+            rc = f"{type(e).__name__}: {e}"
+        if rc != 0:
+            raise PinError(f"kvstore: tiers.dram.pin_memory: registering {arr.nbytes / GiB:.2f} GiB of the DRAM "
+                           f"tier with CUDA failed ({rc}); lower tiers.dram.capacity_gb, raise the locked-memory "
+                           f"limit (ulimit -l), or set tiers.dram.pin_memory: false for an unpinned tier")
+        self._registered.append(ptr)
 
     # -- slots -----------------------------------------------------------------------------------
     def view(self, slot: int) -> np.ndarray:

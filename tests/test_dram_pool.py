@@ -255,3 +255,29 @@ def test_dram_tier_close_while_preparing_under_the_tier_lock(clock):
         t.close()
         assert time.monotonic() - t0 < 5  # a deadlock would hang; a slot wait is 10 s
     assert not t.pool._thread.is_alive() and not t.ready
+
+
+def test_a_pool_that_cannot_be_pinned_is_an_error_at_start_up(tmp_path):
+    """Asked to pin (``pin_memory: true``, or ``auto`` with CUDA) and registration fails: the pool is not
+    made and the error names the config key; never a silently unpinned (slower) tier. Here the failure is
+    real on a machine without CUDA, and made by a failpoint where there is one."""
+    from kvstore import failpoints
+    from kvstore.config import from_dict
+    from kvstore.keys import ModelFingerprint
+    from kvstore.memory import PinError
+    from kvstore.store import KVStore
+
+    failpoints.arm("memory.pin=raise")
+    try:
+        with pytest.raises(PinError, match="tiers.dram.pin_memory"):
+            SlabPool(4, 4096, pin=True, background=False)
+        with pytest.raises(PinError, match=r"tiers.dram.pin_memory: false"):
+            KVStore(from_dict({"tiers": {"dram": {"capacity_gb": 0.001, "pin_memory": True},
+                                         "nvme": {"path": str(tmp_path / "s")}}}),
+                    block_bytes=4096, fingerprint=ModelFingerprint("m"))
+    finally:
+        failpoints.clear()
+    assert not list((tmp_path / "s").glob("**/*.kv"))  # nothing half-made was left to read
+    pool = SlabPool(4, 4096, pin=False)  # unpinned on request: fine
+    assert not pool.pinned and pool.ready
+    pool.close()
