@@ -5,6 +5,7 @@ Schema (public; the tuner writes it, the connector reads it)::
     tiers:
       dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory}
       nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header}
+    io: {async_saves, async_loads}
     metrics: {port}
     trace_path: null
 
@@ -137,6 +138,18 @@ class TiersConfig:
 
 
 @dataclass(frozen=True)
+class IoConfig:
+    """Where the connector moves bytes (issue 13). ``async_saves``: ``wait_for_save`` only enqueues;
+    the gather runs on a copy worker and the engine's blocks stay allocated until it completes.
+    ``async_loads``: a hit with blocks below DRAM loads while the request waits
+    (``WAITING_FOR_REMOTE_KVS``) and other requests run; ``false`` loads everything inline
+    before the forward pass (the first design, kept to measure against)."""
+
+    async_saves: bool = True
+    async_loads: bool = True
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     port: int | None = None
 
@@ -144,6 +157,7 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class StoreConfig:
     tiers: TiersConfig = field(default_factory=TiersConfig)
+    io: IoConfig = field(default_factory=IoConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     trace_path: str | None = None
 
@@ -217,11 +231,15 @@ def from_dict(data: Mapping | None) -> StoreConfig:
     _check_keys("tiers", tiers, TiersConfig)
     metrics = _section(data, "metrics")
     _check_keys("metrics", metrics, MetricsConfig)
+    io = _section(data, "io")
+    _check_keys("io", io, IoConfig)
     trace = data.get("trace_path")
     if trace is not None and (not isinstance(trace, str) or not trace.strip()):
         raise ConfigError("trace_path", trace, "a file path (string) or null")
     return StoreConfig(
         tiers=TiersConfig(dram=_dram(_section(tiers, "dram")), nvme=_nvme(_section(tiers, "nvme"))),
+        io=IoConfig(async_saves=_choice("io.async_saves", io.get("async_saves", True), (True, False)),
+                    async_loads=_choice("io.async_loads", io.get("async_loads", True), (True, False))),
         metrics=MetricsConfig(port=_int("metrics.port", metrics.get("port"), minimum=1, maximum=65535, allow_none=True)),
         trace_path=trace,
     )
