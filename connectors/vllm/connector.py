@@ -162,7 +162,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             # the worker owns the store (bytes and index) and serves the scheduler's lookups
             name = f"{engine}/tp{self.fingerprint.tp_rank}"
             self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size)
-            self.mover = Mover(self.shared)
+            self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
+                               async_loads=self.config.io.async_loads)
             self.server = StoreServer(self.shared, name)
         else:
             # the scheduler asks rank 0's store: in this process if it is here, else over a socket
@@ -174,7 +175,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    # a prefetch promotes NVMe blocks into DRAM; without a DRAM tier there
                                    # is nothing to wait for, so the lookup need not "ask again"
                                    prefetch=self.config.tiers.nvme.enabled and self.config.tiers.dram.enabled,
-                                   trace=trace)
+                                   trace=trace, async_loads=self.config.io.async_loads,
+                                   async_saves=self.config.io.async_saves,
+                                   always_delay=self.fingerprint.tp_size > 1)
         self._closed = False
         log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s", role.name,
                  self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,
@@ -214,7 +217,14 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.mover is not None and isinstance(meta, KVStoreMetadata):
-            self.mover.save(meta.plan)
+            self.mover.save(meta.plan)  # with io.async_saves: reserves slots and enqueues the gather
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.mover is not None and isinstance(kv_connector_metadata, KVStoreMetadata):
+            self.mover.handle_preemptions(kv_connector_metadata.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.mover.get_finished(finished_req_ids) if self.mover is not None else (None, None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.mover.take_load_errors() if self.mover is not None else set()
@@ -228,14 +238,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         st = self.planner.track(request.request_id, tokens, request.num_prompt_tokens, _request_extra(request),
                                 _request_mm(request), arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
                                 session=str(getattr(request, "cache_salt", None) or ""))
-        return self.planner.lookup(st, num_computed_tokens), False
+        n = self.planner.lookup(st, num_computed_tokens)
+        return n, bool(n and st.load_async)  # blocks below DRAM: the request waits, others run
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.planner is not None
         st = self.planner.reqs.get(request.request_id)
         if st is None:
             return
-        self.planner.allocated(st, num_external_tokens)
+        ids = blocks.get_block_ids()[0] if st.load_async and num_external_tokens > 0 else None
+        self.planner.allocated(st, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.planner is not None
@@ -248,12 +260,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             nb = c.new_block_ids[i]
             cached.append((rid, list(nb[0]) if nb else None, c.num_computed_tokens[i], rid in resumed))
         plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens))
+        plan.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return KVStoreMetadata(plan)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.planner is not None:
-            self.planner.finished(request.request_id)
-        return False, None
+        # True: a store of its blocks may still be copying; vLLM frees them on finished_sending
+        delay = self.planner.finished(request.request_id) if self.planner is not None else False
+        return delay, None
 
     def reset_cache(self) -> bool | None:
         return None  # kvstore keeps its tiers across engine prefix-cache resets
@@ -272,6 +285,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if summary is not None:
                 log.info("kvstore connector summary:\n%s", "\n".join(render_engine(summary)))
             log.info("kvstore tiers: %s", self.shared.store.stats()["tiers"])
+            if self.mover is not None:
+                self.mover.close()  # in-flight copies complete (and commit) before the store closes
             if self.server is not None:
                 self.server.close()
             release_shared(self.shared)

@@ -30,6 +30,8 @@ class StoreClient(Protocol):
 
     def record_request(self, outcome: RequestOutcome) -> None: ...
 
+    def saves_done(self, req_id: str, timeout: float = 0.0) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -85,6 +87,10 @@ class LocalClient:
         self.shared.metrics.record(outcome)
         self.shared.request_log.append((outcome.req_id, outcome.prompt, outcome.local, outcome.got,
                                         tuple(outcome.tiers)))
+
+    def saves_done(self, req_id: str, timeout: float = 0.0) -> bool:
+        jobs = self.shared.jobs
+        return True if jobs is None else jobs.saves_done(req_id, timeout)
 
     def close(self) -> None:
         pass

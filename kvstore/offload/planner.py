@@ -5,15 +5,21 @@ from the live token list, with the request's extra keys), its block table, how m
 were handed to the store, and a pinned load if one is planned.
 
 * ``lookup``: the longest stored prefix of the prompt (never the whole prompt: the engine
-  must compute at least one token). If part of it is on NVMe, a prefetch to DRAM starts and
-  ``None`` ("ask again") is returned until it is done, so the scheduler never stalls on disk.
-  Blocks the engine already holds are never prefetched.
+  must compute at least one token), one index walk. With ``async_loads`` (the default), a hit
+  with blocks below DRAM is loaded asynchronously (``RequestState.load_async``): vLLM keeps the
+  request in ``WAITING_FOR_REMOTE_KVS`` while the worker reads and scatters, and other requests
+  run. Without it (the first design), a prefetch to DRAM starts and ``None`` ("ask again") is
+  returned until it is done. Blocks the engine already holds are never read.
 * ``allocated``: the engine gave blocks for the matched tokens; the blocks are pinned in the
   store (two-phase: they cannot be evicted before the worker copied them), and the request's
   prompt tokens are accounted: the engine's own hit, kvstore's promise, and why the rest could
   not be supplied (``outcome``; kvstore.offload.metrics says what each counter means).
-* ``build_step``: load plans for newly scheduled hits, store plans for every block that
-  becomes full in this step (prompt blocks *and* blocks completed during decode).
+* ``build_step``: load plans for newly scheduled hits (``loads``: before this step's forward)
+  and for hits allocated to wait (``async_loads``), store plans for every block that becomes
+  full in this step (prompt blocks *and* blocks completed during decode).
+* ``finished``: with ``async_saves``, whether vLLM must keep the request's blocks until the
+  worker reports its stores done (``finished_sending``); a store that already finished (the
+  usual case: the gather ran while vLLM sampled) frees them at once.
 
 Cache truth under failure. A block is stored only when its KV is known good:
 
@@ -42,6 +48,13 @@ from kvstore.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
+# How long ``finished`` waits for a finished request's stores before leaving its blocks to vLLM's
+# delayed free. They were submitted at the end of its last forward pass, and vLLM has sampled and
+# processed the step's output since, so they are usually done and the wait is none. A delayed free
+# is released only by a later engine step, which an offline ``LLM.generate`` may never take (its
+# blocks then stay held and ``reset_prefix_cache`` fails), so the wait is generous and bounded.
+SAVE_WAIT_S = 0.5
+
 
 @dataclass
 class LoadPlan:
@@ -67,6 +80,8 @@ class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
     step: int = 0  # the planner's step number (the worker pairs a step's loads with its stores)
+    async_loads: list[LoadPlan] = field(default_factory=list)  # requests waiting for their KV
+    preempted: list[str] = field(default_factory=list)  # their blocks are reused: finish their stores first
 
 
 @dataclass
@@ -83,6 +98,10 @@ class RequestState:
     load: tuple | None = None  # (handle_id, first block, n blocks, tiers), until planned
     num_local: int = 0  # tokens the engine had in its own prefix cache at the lookup
     origin: tuple[str, ...] = ()  # tier of each matched block before any prefetch
+    load_async: bool = False  # the last lookup's hit has blocks below DRAM: vLLM loads it asynchronously
+    had_stores: bool = False  # stores were planned for it (its blocks' frees may wait for them)
+    looked_up: bool = False  # a lookup since the last allocation (vLLM allocates again, without one,
+    # when a request's asynchronous load completed: nothing to pin or count then)
     found: int = 0  # blocks of the stored prefix at the last lookup
     miss_reason: str | None = "never_stored"  # why the store's prefix ended (None: all of it is stored)
     failed: bool = False  # the lookup failed (a store error): nothing is known of the store
@@ -93,8 +112,13 @@ class RequestState:
 
 class Planner:
     def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True,
-                 trace: TraceWriter | None = None):
+                 trace: TraceWriter | None = None, async_loads: bool = False, async_saves: bool = False,
+                 always_delay: bool = False):
         self.client = client
+        self.async_loads = async_loads
+        self.async_saves = async_saves
+        self.always_delay = always_delay  # TP > 1: every rank reports its own stores (get_finished)
+        self._async_pending: list[LoadPlan] = []
         self.trace = trace
         self.fp = fingerprint
         self.root = fingerprint.digest()
@@ -151,6 +175,7 @@ class Planner:
     def lookup(self, st: RequestState, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` the store can supply, or None to be asked again."""
         st.num_local = num_computed
+        st.looked_up = True
         if not st.cacheable:
             return 0
         try:
@@ -173,6 +198,9 @@ class Planner:
             st.origin = m.tiers
         st.found, st.miss_reason = m.num_blocks, m.miss_reason
         skip = num_computed // self.bs  # blocks the engine holds itself: never worth a read
+        st.load_async = self.async_loads and any(t != "dram" for t in m.tiers[skip:m.num_blocks])
+        if self.async_loads:
+            return max(0, m.num_blocks * self.bs - num_computed)
         if self.prefetch_enabled and st.prefetch is None and "nvme" in m.tiers[skip:]:
             st.prefetch = self.client.prefetch(keys[skip: m.num_blocks])
             return None
@@ -208,8 +236,13 @@ class Planner:
         o.unsupplied = {k: v for k, v in why.items() if v > 0}
         return o
 
-    def allocated(self, st: RequestState, num_external: int) -> None:
-        """Blocks were allocated for ``num_external`` tokens after the engine's own hit: pin them."""
+    def allocated(self, st: RequestState, num_external: int, block_ids: Sequence[int] | None = None) -> None:
+        """Blocks were allocated for ``num_external`` tokens after the engine's own hit: pin them.
+        An asynchronous load (``st.load_async``; ``block_ids``: the request's whole block table)
+        is planned for the next step whether or not the request is scheduled in it."""
+        if not st.looked_up:  # scheduled after its asynchronous load: pinned and counted then
+            return
+        st.looked_up = False
         num_computed = st.num_local
         self._drop_load(st)
         hid, got_blocks, tiers = 0, 0, ()
@@ -225,6 +258,10 @@ class Planner:
             # attribute each block to the tier it was found in (a prefetch may have moved it)
             tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
             st.load = (hid, first, n, tiers)
+            if st.load_async and block_ids is not None and len(block_ids) >= first + n:
+                self._async_pending.append(LoadPlan(st.req_id, list(block_ids[first:first + n]), hid, n * self.bs,
+                                                    first, tiers))
+                st.load = None
         o = self.outcome(st, num_external, got_blocks * self.bs, tiers)
         o.errors, self._unreported = self._unreported, 0
         try:
@@ -252,7 +289,8 @@ class Planner:
         """``new``: (req_id, block_ids, num_computed); ``cached``: (req_id, new_block_ids or None,
         num_computed, resumed). Returns this step's loads and stores."""
         self.steps += 1
-        plan = StepPlan(step=self.steps)
+        plan = StepPlan(step=self.steps, async_loads=self._async_pending)
+        self._async_pending = []
         for rid, block_ids, computed in new:
             st = self.reqs.get(rid)
             if st is None:
@@ -298,16 +336,28 @@ class Planner:
             start = st.saved_blocks
             plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full], start))
             st.saved_blocks = full
+            st.had_stores = True
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str) -> bool:
+        """The request finished; True when vLLM must keep its blocks until the worker reports
+        its stores done (``finished_sending``)."""
         st = self.reqs.pop(req_id, None)
         if st is None:
-            return
+            return False
         self._drop_load(st)
         if self.trace is not None and st.cacheable:
             keys = self.keys_upto(st, st.num_prompt_tokens // self.bs)
             self.trace.write(st.arrival, st.session, keys, self.bs, st.num_prompt_tokens,
                              max(0, len(st.tokens) - st.num_prompt_tokens))
+        if not (self.async_saves and st.had_stores):
+            return False
+        if self.always_delay:
+            return True
+        try:  # the usual case: the gather ran while vLLM sampled, and is done
+            return not self.client.saves_done(req_id, SAVE_WAIT_S)
+        except Exception as e:  # unknown: keep the blocks, the worker reports them (get_finished)
+            self._failed("saves_done", e)
+            return True
 
     def close(self) -> None:
         if self.trace is not None:

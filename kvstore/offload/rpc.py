@@ -89,6 +89,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     res = c.end_load(int(a["handle"]))
                 elif op == "record_request":
                     res = c.record_request(RequestOutcome.from_json(a["outcome"]))
+                elif op == "saves_done":
+                    res = c.saves_done(str(a["req_id"]), min(1.0, max(0.0, float(a.get("timeout", 0.0)))))
                 elif op == "ping":
                     res = "pong"
                 else:
@@ -228,6 +230,9 @@ class RemoteClient:
 
     def record_request(self, outcome: RequestOutcome) -> None:
         self._call("record_request", outcome=outcome.to_json())
+
+    def saves_done(self, req_id: str, timeout: float = 0.0) -> bool:
+        return bool(self._call("saves_done", req_id=req_id, timeout=timeout))
 
     def close(self) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.config import StoreConfig
 from kvstore.keys import ModelFingerprint
@@ -35,6 +36,7 @@ class SharedStore:
     # per-request outcome of the last lookups: (req_id, prompt tokens, engine-local hit tokens,
     # tokens loaded from kvstore, tiers of the loaded blocks); bounded
     request_log: deque = field(default_factory=lambda: deque(maxlen=4096))
+    jobs: Any = None  # the worker's CopyJobs (kvstore.offload.jobs), when it copies asynchronously
 
     def put_handle(self, h: LoadHandle) -> int:
         with self.lock:

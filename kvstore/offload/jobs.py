@@ -1,0 +1,159 @@
+"""The worker's copy jobs, off the engine's forward thread (issue 13).
+
+Two daemon threads, one per direction, so a load never waits in a queue behind a store: loads
+(NVMe reads and the scatter of a request that waits in ``WAITING_FOR_REMOTE_KVS``) and stores (the
+gather of a step's newly full blocks into DRAM slots, then the commit). A job is a callable; what
+it reports is kept here until the connector hands it to vLLM:
+
+* a load job returns the engine block ids it could not fill; ``take_loads()`` returns the
+  requests whose loads completed and those ids together, so vLLM never sees a request as
+  loaded before it sees which of its blocks failed;
+* store jobs are counted per request. The engine's blocks stay allocated until a request's
+  stores completed: ``saves_done(req)`` (scheduler side, at ``request_finished``) waits a
+  little and, if they are still running, leaves the request marked so that ``finished_sending``
+  reports it once they are (``get_finished``).
+
+Nothing here raises into the engine: a job that raises is logged and its request reported done
+(a failed store stores nothing; a failed load reports every block of the request as failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+
+class CopyJobs:
+    def __init__(self, name: str = "kvstore"):
+        self._cond = threading.Condition()
+        self._saving: dict[str, int] = {}  # request -> store jobs queued or running
+        self._stored: set[str] = set()  # requests that had stores submitted (their frees may wait)
+        self._finished: set[str] = set()  # of those, the ones vLLM said finished (get_finished)
+        self._loaded: set[str] = set()  # async loads done, not yet reported
+        self._load_errors: set[int] = set()  # engine blocks of those loads that failed
+        self._loading = 0
+        self.counts = {"loads": 0, "stores": 0, "delayed_frees": 0}  # jobs done, frees left to vLLM
+        self._closed = False
+        self._queues = {"load": queue.SimpleQueue(), "store": queue.SimpleQueue()}
+        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"{name}-{k}", daemon=True)
+                         for k in self._queues]
+        for t in self._threads:
+            t.start()
+
+    # -- submitting (worker's forward thread) --------------------------------------------------
+    def submit_store(self, req_ids: Iterable[str], fn: Callable[[], None]) -> None:
+        reqs = sorted(set(req_ids))
+        with self._cond:
+            for r in reqs:
+                self._saving[r] = self._saving.get(r, 0) + 1
+                self._stored.add(r)
+        self._queues["store"].put((fn, reqs))
+
+    def mark_stored(self, req_ids: Iterable[str]) -> None:
+        """Requests whose stores were planned but not submitted (nothing to copy): their frees
+        follow the same protocol, so the scheduler's view and ours agree."""
+        with self._cond:
+            self._stored.update(req_ids)
+
+    def submit_load(self, req_id: str, fn: Callable[[], set[int]], block_ids: Iterable[int]) -> None:
+        with self._cond:
+            self._loading += 1
+        self._queues["load"].put((fn, (req_id, tuple(block_ids))))
+
+    # -- the threads ---------------------------------------------------------------------------
+    def _run(self, kind: str) -> None:
+        q = self._queues[kind]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            fn, arg = item
+            if kind == "load":
+                req_id, block_ids = arg
+                try:
+                    failed = set(fn())
+                except BaseException as e:  # never lose the request: every block failed, vLLM recomputes
+                    log.warning("kvstore: async load of %s failed (%s: %s)", req_id, type(e).__name__, e)
+                    failed = set(block_ids)
+                with self._cond:
+                    self.counts["loads"] += 1
+                    self._loaded.add(req_id)
+                    self._load_errors |= failed
+                    self._loading -= 1
+                    self._cond.notify_all()
+            else:
+                try:
+                    fn()
+                except BaseException as e:  # the job stores nothing; its blocks are a later miss
+                    log.warning("kvstore: async store failed (%s: %s)", type(e).__name__, e)
+                with self._cond:
+                    self.counts["stores"] += 1
+                    for r in arg:
+                        n = self._saving.get(r, 0) - 1
+                        if n > 0:
+                            self._saving[r] = n
+                        else:
+                            self._saving.pop(r, None)
+                    self._cond.notify_all()
+
+    # -- completion ----------------------------------------------------------------------------
+    def saves_done(self, req_id: str, timeout: float = 0.0) -> bool:
+        """True when no store of ``req_id`` is queued or running (waiting up to ``timeout``); the
+        request is then forgotten here (its blocks may be freed now). False: it stays marked and
+        ``finished_sending`` reports it once its stores completed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._saving.get(req_id, 0) == 0, timeout=timeout)
+            if self._saving.get(req_id, 0):
+                self.counts["delayed_frees"] += 1
+                return False
+            self._stored.discard(req_id)
+            self._finished.discard(req_id)
+            return True
+
+    def wait_saves(self, req_ids: Iterable[str] | None = None, timeout: float | None = None) -> bool:
+        """Block until the stores of ``req_ids`` (all when None) completed, e.g. before the blocks of
+        preempted requests are reused."""
+        ids = None if req_ids is None else set(req_ids)
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not any(ids is None or r in ids for r in self._saving), timeout=timeout)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued job (loads and stores) completed."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._saving and self._loading == 0, timeout=timeout)
+
+    def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Of the requests vLLM said finished (in this call or an earlier one), those that had
+        stores, were not released by ``saves_done``, and whose stores completed; each once."""
+        with self._cond:
+            self._finished |= self._stored.intersection(finished_req_ids)
+            out = {r for r in self._finished if not self._saving.get(r)}
+            self._stored -= out
+            self._finished -= out
+        return out
+
+    def take_loads(self) -> tuple[set[str], set[int]]:
+        """Requests whose async loads completed, and the engine blocks among them that failed."""
+        with self._cond:
+            done, bad = self._loaded, self._load_errors
+            self._loaded, self._load_errors = set(), set()
+        return done, bad
+
+    def pending(self) -> dict:
+        with self._cond:
+            return {"saving": dict(self._saving), "stored": len(self._stored), "loading": self._loading}
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_idle(timeout)
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout)
