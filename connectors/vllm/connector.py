@@ -224,7 +224,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.mover.handle_preemptions(kv_connector_metadata.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.mover.get_finished(finished_req_ids) if self.mover is not None else (None, None)
+        if self.mover is None:
+            return None, None
+        meta = self._connector_metadata
+        return self.mover.get_finished(finished_req_ids, meta.plan if isinstance(meta, KVStoreMetadata) else None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.mover.take_load_errors() if self.mover is not None else set()
@@ -261,6 +264,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             cached.append((rid, list(nb[0]) if nb else None, c.num_computed_tokens[i], rid in resumed))
         plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens))
         plan.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        plan.idle = scheduler_output.total_num_scheduled_tokens == 0
         return KVStoreMetadata(plan)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -137,6 +137,11 @@ class CopyJobs:
             self._finished -= out
         return out
 
+    def wait_load(self, timeout: float) -> bool:
+        """Wait (without the GIL) until some async load completed or none is running."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._loaded or not self._loading, timeout=timeout)
+
     def take_loads(self) -> tuple[set[str], set[int]]:
         """Requests whose async loads completed, and the engine blocks among them that failed."""
         with self._cond:

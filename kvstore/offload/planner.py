@@ -82,6 +82,7 @@ class StepPlan:
     step: int = 0  # the planner's step number (the worker pairs a step's loads with its stores)
     async_loads: list[LoadPlan] = field(default_factory=list)  # requests waiting for their KV
     preempted: list[str] = field(default_factory=list)  # their blocks are reused: finish their stores first
+    idle: bool = False  # the engine scheduled no tokens in this step (it only waits for loads)
 
 
 @dataclass
