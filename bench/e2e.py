@@ -1,5 +1,9 @@
 """``kvstore bench e2e``: TTFT and throughput through a real vLLM engine with KVStoreConnector.
 
+**Designs.** Every kvstore case runs once per design (``--designs``): ``sync`` is the first
+design (``io.async_saves`` and ``io.async_loads`` false: saves and loads run inline in the
+engine's step), ``async`` the new one (both true). The tables show them side by side.
+
 **TTFT table.** For each prompt length, the median time to first token (a 1-token generation,
 i.e. the prefill) of:
 
@@ -19,6 +23,19 @@ p90 TTFT, and the share of prompt tokens served from a cache, for ``recompute``,
 * ``hbm_pressure``: vLLM's prefix cache is reset between turns, as when other traffic has
   evicted a session's blocks from accelerator memory by the time its next turn comes.
 
+**No-reuse tax.** What kvstore costs when nothing is ever reused: ``--nr-prompts`` distinct
+prompts submitted as one batch, ``prefill_heavy`` (``--nr-prefill-tokens`` each, 1 output token)
+and ``decode_heavy`` (``--nr-decode-prompt`` tokens each, ``--nr-decode-output`` output tokens),
+with kvstore (each design; DRAM + NVMe tiers) against vLLM without any connector. Each of
+``--nr-repeats`` rounds builds a fresh engine per configuration, in an order rotated every round
+(interleaved, so a slow spell of a shared machine falls on all of them); reported are the median
+throughput ((prompt + output tokens) / wall time) and the median of the rounds' paired ratios.
+
+**Goals.** Each figure with a goal is printed next to its limit, with PASS/FAIL, and the goals
+are summed up per design at the end: DRAM-hit TTFT / vLLM prefix-hit TTFT <= 1.3; NVMe-hit TTFT /
+recompute TTFT <= 0.15 (prompts of 4k tokens and more); multi-turn under HBM pressure, kvstore
+tokens/s / recompute tokens/s >= 2.59; no-reuse throughput / vLLM's >= 0.97.
+
 **Peers.** On a machine with CUDA, and when they are installed, the same runs also drive
 LMCache's connector (``LMCacheConnectorV1``, CPU backend) and vLLM's ``OffloadingConnector``
 (CPU blocks). Neither runs on vLLM's CPU backend (DESIGN.md section 7), so on CPU the report
@@ -34,6 +51,7 @@ import argparse
 import gc
 import importlib.util
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -44,9 +62,27 @@ from bench.report import markdown_table, progress, write_json
 
 TTFT_CASES = ["recompute", "vllm_prefix", "kvstore_dram", "kvstore_nvme"]
 MT_CASES = ["recompute", "vllm_prefix", "kvstore"]
+KVSTORE_CASES = ("kvstore", "kvstore_dram", "kvstore_nvme")
 PEERS = {"lmcache": "LMCache (LMCacheConnectorV1, CPU backend)",
          "vllm_offloading": "vLLM OffloadingConnector (CPU blocks)"}
 REGIMES = ["hbm_ample", "hbm_pressure"]
+# the connector's io section per design (kvstore/config.py IoConfig)
+DESIGNS = {"sync": {"async_saves": False, "async_loads": False},
+           "async": {"async_saves": True, "async_loads": True}}
+NR_WORKLOADS = ["prefill_heavy", "decode_heavy"]
+# issue 13's goals: (metric, op, limit); a figure passes when ``value op limit``
+GOALS = {
+    "dram_hit": {"label": "DRAM-hit TTFT / vLLM prefix-hit TTFT", "op": "<=", "limit": 1.3},
+    "nvme_hit": {"label": "NVMe-hit TTFT / recompute TTFT", "op": "<=", "limit": 0.15, "min_tokens": 4096},
+    "multi_turn": {"label": "multi-turn, HBM pressure: tokens/s / recompute's", "op": ">=", "limit": 2.59},
+    "no_reuse": {"label": "no reuse: tokens/s / vLLM's (no connector)", "op": ">=", "limit": 0.97},
+}
+
+
+# ``--quick``: the whole path at toy sizes (tests; a smoke check of a new machine)
+QUICK = {"lengths": "128", "repeats": 1, "hidden": 128, "layers": 2, "mt_clients": 2, "mt_turns": 2,
+         "mt_max_tokens": 256, "mt_system": 64, "mt_first": 64, "mt_output": 4, "nr_repeats": 1, "nr_prompts": 2,
+         "nr_prefill_tokens": 128, "nr_decode_prompt": 32, "nr_decode_output": 8}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -57,18 +93,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--model", default=None, help="a model folder (default: build the tiny model)")
     p.add_argument("--dir", default=None, help="folder for the NVMe tier and the tiny model")
+    p.add_argument("--designs", default="sync,async",
+                   help="kvstore designs to run, each kvstore case once per design: sync (io.async_saves and "
+                        "io.async_loads false: the first design), async (both true)")
     p.add_argument("--mt-clients", type=int, default=8, help="multi-turn clients (0 = skip the multi-turn run)")
     p.add_argument("--mt-turns", type=int, default=6)
     p.add_argument("--mt-max-tokens", type=int, default=4096, help="prompt length of the last turn (about)")
     p.add_argument("--mt-system", type=int, default=512, help="system-prompt tokens shared by all clients")
     p.add_argument("--mt-first", type=int, default=256, help="first user message tokens")
     p.add_argument("--mt-output", type=int, default=32, help="tokens generated per turn")
+    p.add_argument("--nr-repeats", type=int, default=3,
+                   help="no-reuse rounds (a fresh engine per configuration each round; 0 = skip the no-reuse run)")
+    p.add_argument("--nr-prompts", type=int, default=16, help="no-reuse: distinct prompts per batch")
+    p.add_argument("--nr-prefill-tokens", type=int, default=2048, help="no-reuse prefill_heavy: tokens per prompt")
+    p.add_argument("--nr-decode-prompt", type=int, default=128, help="no-reuse decode_heavy: tokens per prompt")
+    p.add_argument("--nr-decode-output", type=int, default=512, help="no-reuse decode_heavy: output tokens per prompt")
     p.add_argument("--cases", default=",".join(TTFT_CASES),
                    help="which of recompute,vllm_prefix,kvstore_dram,kvstore_nvme to run (recompute and "
-                        "vllm_prefix are the baselines and always run; the multi-turn run uses kvstore_dram's engine)")
+                        "vllm_prefix are the baselines and always run; the multi-turn and no-reuse runs use "
+                        "kvstore_dram's configuration)")
     p.add_argument("--peers", default="auto", choices=["auto", "off"],
                    help="auto: also drive LMCache / vLLM OffloadingConnector where they can run (CUDA)")
     p.add_argument("--peer-cpu-gb", type=float, default=4.0, help="CPU cache size given to each peer")
+    p.add_argument("--quick", action="store_true",
+                   help="toy sizes for every part (overrides the size flags: " + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + ")")
     p.add_argument("--json", default=None)
     p.add_argument("--plots", default=None)
 
@@ -103,7 +152,8 @@ def peer_status() -> dict[str, dict]:
     return out
 
 
-def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_cpu_gb: float):
+def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_cpu_gb: float,
+                 design: str | None = None):
     """The KVTransferConfig of a case (None: no connector)."""
     if connector is None:
         return None
@@ -112,6 +162,8 @@ def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_
     if connector == "kvstore":
         extra = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
                            "nvme": {"path": store, "capacity_gb": 8, "ttl_s": None}}}
+        if design is not None:
+            extra["io"] = dict(DESIGNS[design])
         return KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     if connector == "lmcache":  # LMCache reads its config from the environment
         os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
@@ -127,12 +179,12 @@ def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_
 class _Engine:
     def __init__(self, model: str, block_size: int, max_len: int, connector: str | None = None,
                  store: str | None = None, dram_gb: float = 1.0, prefix_caching: bool = True,
-                 peer_cpu_gb: float = 4.0):
+                 peer_cpu_gb: float = 4.0, design: str | None = None):
         from vllm import LLM
 
         kw = dict(enforce_eager=True, block_size=block_size, max_model_len=max_len, dtype="float32", seed=0,
                   enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_len)
-        ktc = _kv_transfer(connector, store, dram_gb, peer_cpu_gb)
+        ktc = _kv_transfer(connector, store, dram_gb, peer_cpu_gb, design)
         if ktc is not None:
             kw["kv_transfer_config"] = ktc
         self.llm = LLM(model, **kw)
@@ -225,19 +277,69 @@ def multi_turn(eng: _Engine, a, seed: int, pressure: bool, advance=None) -> dict
             "per_turn": per_turn}
 
 
+# -- the no-reuse run ----------------------------------------------------------------------------------
+
+def no_reuse_prompts(a, seed: int) -> dict[str, tuple[list[list[int]], int]]:
+    """Per workload: ``a.nr_prompts`` distinct prompts and the output tokens each."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(4, 500, size=n)]
+
+    return {"prefill_heavy": ([toks(a.nr_prefill_tokens) for _ in range(a.nr_prompts)], 1),
+            "decode_heavy": ([toks(a.nr_decode_prompt) for _ in range(a.nr_prompts)], a.nr_decode_output)}
+
+
+def no_reuse_once(eng: _Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    r = eng.batch(prompts, max_tokens)
+    n_prompt = sum(len(p) for p in prompts)
+    n_out = sum(len(o) for o in r["outputs"])
+    return {"wall_s": r["wall_s"], "prompt_tokens": n_prompt, "output_tokens": n_out,
+            "cached_tokens": sum(r["cached"]), "throughput_tok_s": (n_prompt + n_out) / r["wall_s"]}
+
+
 # -- the command ---------------------------------------------------------------------------------------
 
-def _case_engine(case: str, model: str, a, max_len: int, work: str) -> _Engine:
+def _label(case: str, design: str | None) -> str:
+    return case if not design else f"{case} ({design})"
+
+
+def _case_engine(case: str, model: str, a, max_len: int, work: str, design: str | None = None,
+                 store: str | None = None) -> _Engine:
     connector, dram_gb, prefix = None, 1.0, True
     if case == "recompute":
         prefix = False
-    elif case in ("kvstore", "kvstore_dram", "kvstore_nvme"):
+    elif case in KVSTORE_CASES:
         connector = "kvstore"
         dram_gb = 0.0 if case == "kvstore_nvme" else 1.0
     elif case in PEERS:
         connector = case
-    store = os.path.join(work, f"store-{case}") if connector == "kvstore" else None
-    return _Engine(model, a.block_size, max_len, connector, store, dram_gb, prefix, a.peer_cpu_gb)
+    if connector == "kvstore" and store is None:
+        store = os.path.join(work, f"store-{case}" + (f"-{design}" if design else ""))
+    return _Engine(model, a.block_size, max_len, connector, store, dram_gb, prefix, a.peer_cpu_gb,
+                   design if connector == "kvstore" else None)
+
+
+def _goal(name: str, value: float, where: str, design: str | None) -> dict:
+    g = GOALS[name]
+    ok = value <= g["limit"] if g["op"] == "<=" else value >= g["limit"]
+    return {"goal": name, "label": g["label"], "where": where, "design": design or "", "value": value,
+            "op": g["op"], "limit": g["limit"], "pass": bool(ok)}
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _designs(text: str) -> list[str]:
+    designs = list(dict.fromkeys(d.strip() for d in str(text).split(",") if d.strip()))
+    bad = [d for d in designs if d not in DESIGNS]
+    if bad or not designs:
+        raise SystemExit(f"--designs: unknown {bad or 'none given'}; choose from {list(DESIGNS)}")
+    return designs
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -246,13 +348,25 @@ def run(a: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from bench.tiny_model import build_tiny_llama
 
+    if a.quick:
+        for k, v in QUICK.items():
+            setattr(a, k, v)
+    t_start = time.perf_counter()
+    load_start = _load()
     lengths = [int(x) for x in str(a.lengths).split(",") if x.strip()]
+    designs = _designs(a.designs)
     do_mt = a.mt_clients > 0 and a.mt_turns > 0
+    do_nr = a.nr_repeats > 0 and a.nr_prompts > 0
     peers = peer_status() if a.peers == "auto" else {n: {"label": l, "available": False, "why": "--peers off"}
                                                      for n, l in PEERS.items()}
     live_peers = [n for n, s in peers.items() if s["available"]]
     work = tempfile.TemporaryDirectory(prefix="kvstore-e2e-", dir=a.dir)
-    max_len = max(lengths + ([a.mt_max_tokens + a.mt_output + 64] if do_mt else [0])) + 64
+    need = list(lengths)
+    if do_mt:
+        need.append(a.mt_max_tokens + a.mt_output + 64)
+    if do_nr:
+        need += [a.nr_prefill_tokens + 1, a.nr_decode_prompt + a.nr_decode_output]
+    max_len = max(need + [64]) + 64
     model = a.model or build_tiny_llama(os.path.join(work.name, "model"), hidden=a.hidden, layers=a.layers,
                                         max_pos=max_len)
     rng = np.random.default_rng(0)
@@ -267,16 +381,28 @@ def run(a: argparse.Namespace) -> dict:
     ttft_cases = ([c for c in TTFT_CASES if c in want] + live_peers) if lengths else []
     mt_cases = ([c for c in MT_CASES if c != "kvstore" or "kvstore_dram" in want] + live_peers) if do_mt else []
     cases = list(dict.fromkeys([c for c in ttft_cases] + [("kvstore_dram" if c == "kvstore" else c) for c in mt_cases]))
-    times: dict[tuple[str, int], list[float]] = {}
-    cached: dict[tuple[str, int], int] = {}
-    mt: dict[tuple[str, str], dict] = {}
-    steps = len(ttft_cases) * len(lengths) * (a.repeats + 1)
-    steps += sum(1 if c == "recompute" else len(REGIMES) for c in mt_cases) * a.mt_turns
+
+    def per_design(c: str) -> list[str | None]:
+        return list(designs) if c in KVSTORE_CASES else [None]
+
+    runs = [(c, d) for c in cases for d in per_design(c)]  # one engine each; a case's designs side by side
+    ttft_runs = [(c, d) for c in ttft_cases for d in per_design(c)]
+    mt_runs = [(c, d) for c in mt_cases for d in per_design(c)]
+    nr_configs = ([("vllm", None)] + ([("kvstore", d) for d in designs] if "kvstore_dram" in want else [])
+                  + [(p, None) for p in live_peers]) if do_nr else []
+    times: dict[tuple, list[float]] = {}
+    cached: dict[tuple, int] = {}
+    mt: dict[tuple, dict] = {}
+    nr: dict[tuple, list[dict]] = {}
+    steps = len(ttft_runs) * len(lengths) * (a.repeats + 1)
+    steps += sum(1 if c == "recompute" else len(REGIMES) for c, _ in mt_runs) * a.mt_turns
+    steps += len(nr_configs) * a.nr_repeats * len(NR_WORKLOADS) if do_nr else 0
     bar, task = progress(max(1, steps), "bench e2e")
     with bar:
-        for case in cases:
-            bar.update(task, description=f"bench e2e: {case}")
-            eng = _case_engine(case, model, a, max_len, work.name)
+        for case, design in runs:
+            bar.update(task, description=f"bench e2e: {_label(case, design)}")
+            eng = _case_engine(case, model, a, max_len, work.name, design)
+            kv = case.startswith("kvstore") or case in PEERS
             try:
                 eng.ttft(fresh(64))  # warm-up
                 if case in ttft_cases:
@@ -285,14 +411,14 @@ def run(a: argparse.Namespace) -> dict:
                             p = fresh(n)
                             if case != "recompute":
                                 eng.ttft(p)  # first sight: computes and stores
-                                if case.startswith("kvstore") or case in PEERS:
+                                if kv:
                                     eng.llm.reset_prefix_cache()
                             dt, c = eng.ttft(p)
-                            if case.startswith("kvstore") or case in PEERS:
+                            if kv:
                                 eng.llm.reset_prefix_cache()
                             if r > 0:  # the first repeat of each length is a warm-up
-                                times.setdefault((case, n), []).append(dt)
-                                cached[(case, n)] = c
+                                times.setdefault((case, design, n), []).append(dt)
+                                cached[(case, design, n)] = c
                             bar.advance(task)
                 mt_name = "kvstore" if case == "kvstore_dram" else case
                 if mt_name in mt_cases:
@@ -300,39 +426,98 @@ def run(a: argparse.Namespace) -> dict:
                     eng.llm.reset_prefix_cache()
                     for j, regime in enumerate(REGIMES):
                         if mt_name == "recompute" and j > 0:
-                            mt[("recompute", regime)] = mt[("recompute", REGIMES[0])]
+                            mt[("recompute", None, regime)] = mt[("recompute", None, REGIMES[0])]
                             continue
                         # the same prompts for every case within a regime (seed by regime)
-                        mt[(mt_name, regime)] = multi_turn(eng, a, seed=100 + j, pressure=regime == "hbm_pressure",
-                                                           advance=lambda: bar.advance(task))
+                        mt[(mt_name, design, regime)] = multi_turn(eng, a, seed=100 + j,
+                                                                   pressure=regime == "hbm_pressure",
+                                                                   advance=lambda: bar.advance(task))
             finally:
                 eng.close()
+        # no reuse: rounds of fresh engines, the configurations' order rotated each round
+        for rnd in range(a.nr_repeats if do_nr else 0):
+            prompts = no_reuse_prompts(a, seed=1000 + rnd)  # the same prompts for every configuration in a round
+            k = rnd % len(nr_configs)
+            for case, design in nr_configs[k:] + nr_configs[:k]:
+                bar.update(task, description=f"bench e2e: no reuse, round {rnd + 1}, {_label(case, design)}")
+                store = os.path.join(work.name, f"nr-{rnd}-{case}-{design or ''}")
+                eng = _case_engine("vllm_prefix" if case == "vllm" else case, model, a, max_len, work.name,
+                                   design, store=store)
+                try:
+                    wrng = np.random.default_rng(2000 + rnd)
+                    eng.ttft([int(x) for x in wrng.integers(4, 500, size=64)])  # warm-up (and the DRAM pool)
+                    eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(a.nr_prompts)], 8)
+                    order = NR_WORKLOADS if rnd % 2 == 0 else NR_WORKLOADS[::-1]
+                    for wl in order:
+                        ps, max_tokens = prompts[wl]
+                        nr.setdefault((wl, case, design), []).append(no_reuse_once(eng, ps, max_tokens))
+                        bar.advance(task)
+                finally:
+                    eng.close()
+                    shutil.rmtree(store, ignore_errors=True)
     work.cleanup()
+    goals: list[dict] = []
     rows = []
     for n in lengths:
-        base = statistics.median(times[("recompute", n)])
-        vp = statistics.median(times[("vllm_prefix", n)])
-        for case in ttft_cases:
-            t = statistics.median(times[(case, n)])
-            rows.append({"prompt_tokens": n, "case": case, "ttft_ms": t * 1e3, "cached_tokens": cached[(case, n)],
-                         "vs_recompute": t / base, "vs_vllm_prefix": t / vp})
+        base = statistics.median(times[("recompute", None, n)])
+        vp = statistics.median(times[("vllm_prefix", None, n)])
+        for case, design in ttft_runs:
+            t = statistics.median(times[(case, design, n)])
+            row = {"prompt_tokens": n, "case": case, "design": design or "", "ttft_ms": t * 1e3,
+                   "cached_tokens": cached[(case, design, n)], "vs_recompute": t / base, "vs_vllm_prefix": t / vp,
+                   "goal": None}
+            if case == "kvstore_dram":
+                row["goal"] = _goal("dram_hit", t / vp, f"{n} tokens", design)
+            elif case == "kvstore_nvme" and n >= GOALS["nvme_hit"]["min_tokens"]:
+                row["goal"] = _goal("nvme_hit", t / base, f"{n} tokens", design)
+            if row["goal"]:
+                goals.append(row["goal"])
+            rows.append(row)
     mt_rows = []
     for regime in REGIMES if do_mt else []:
-        base = mt[("recompute", regime)]
-        for case in mt_cases:
-            r = mt[(case, regime)]
-            mt_rows.append({"regime": regime, "case": case, "turns": a.mt_turns, "clients": a.mt_clients,
-                            "max_prompt_tokens": r["max_prompt_tokens"], "prompt_tokens": r["prompt_tokens"],
+        base = mt[("recompute", None, regime)]
+        for case, design in mt_runs:
+            r = mt[(case, design, regime)]
+            x = r["throughput_tok_s"] / base["throughput_tok_s"]
+            goal = _goal("multi_turn", x, regime, design) if case == "kvstore" and regime == "hbm_pressure" else None
+            if goal:
+                goals.append(goal)
+            mt_rows.append({"regime": regime, "case": case, "design": design or "", "turns": a.mt_turns,
+                            "clients": a.mt_clients, "max_prompt_tokens": r["max_prompt_tokens"],
+                            "prompt_tokens": r["prompt_tokens"],
                             "cached_share": r["cached_tokens"] / max(1, r["prompt_tokens"]),
                             "mean_ttft_ms": r["mean_ttft_ms"], "p90_ttft_ms": r["p90_ttft_ms"], "wall_s": r["wall_s"],
-                            "throughput_tok_s": r["throughput_tok_s"],
-                            "x_recompute": r["throughput_tok_s"] / base["throughput_tok_s"],
+                            "throughput_tok_s": r["throughput_tok_s"], "x_recompute": x, "goal": goal,
                             "per_turn": r["per_turn"]})
-    data = {"results": rows, "multi_turn": mt_rows, "peers": peers,
+    nr_rows = []
+    for wl in NR_WORKLOADS if nr_configs else []:
+        base = nr[(wl, "vllm", None)]
+        for case, design in nr_configs:
+            runs_ = nr[(wl, case, design)]
+            # paired: each round's ratio to vLLM's run of the same round, then the median
+            ratios = [r["throughput_tok_s"] / b["throughput_tok_s"] for r, b in zip(runs_, base)]
+            x = statistics.median(ratios)
+            goal = _goal("no_reuse", x, wl, design) if case == "kvstore" else None
+            if goal:
+                goals.append(goal)
+            first = runs_[0]
+            nr_rows.append({"workload": wl, "case": case, "design": design or "", "prompts": a.nr_prompts,
+                            "prompt_tokens": first["prompt_tokens"], "output_tokens": first["output_tokens"],
+                            "cached_tokens": max(r["cached_tokens"] for r in runs_),
+                            "wall_s": statistics.median(r["wall_s"] for r in runs_),
+                            "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in runs_),
+                            "x_vllm": x, "x_vllm_runs": ratios,
+                            "throughput_runs": [r["throughput_tok_s"] for r in runs_], "goal": goal})
+    data = {"results": rows, "multi_turn": mt_rows, "no_reuse": nr_rows, "goals": goals, "peers": peers,
+            "designs": {d: DESIGNS[d] for d in designs},
             "params": {"lengths": lengths, "repeats": a.repeats, "block_size": a.block_size, "hidden": a.hidden,
-                       "layers": a.layers, "mt_clients": a.mt_clients, "mt_turns": a.mt_turns,
+                       "layers": a.layers, "designs": designs, "mt_clients": a.mt_clients, "mt_turns": a.mt_turns,
                        "mt_max_tokens": a.mt_max_tokens, "mt_system": a.mt_system, "mt_first": a.mt_first,
-                       "mt_output": a.mt_output, "device": "cuda" if _cuda() else "cpu"}}
+                       "mt_output": a.mt_output, "nr_repeats": a.nr_repeats, "nr_prompts": a.nr_prompts,
+                       "nr_prefill_tokens": a.nr_prefill_tokens, "nr_decode_prompt": a.nr_decode_prompt,
+                       "nr_decode_output": a.nr_decode_output, "device": "cuda" if _cuda() else "cpu",
+                       "quick": bool(a.quick), "cpus": os.cpu_count(), "load_start": load_start,
+                       "load_end": _load(), "wall_s": time.perf_counter() - t_start}}
     print(render(data))
     write_json(a.json, data)
     if a.plots:
@@ -340,28 +525,81 @@ def run(a: argparse.Namespace) -> dict:
     return data
 
 
+def _goal_text(g: dict | None) -> str:
+    if not g:
+        return ""
+    return f"{g['op']} {g['limit']:g}: {'PASS' if g['pass'] else 'FAIL'}"
+
+
 def render(data: dict) -> str:
     out = []
+    p = data["params"]
+    designs = p.get("designs") or []
+    if designs:
+        out.append("Designs: " + "; ".join(f"{d} = io.async_saves {v['async_saves']}, io.async_loads "
+                                           f"{v['async_loads']}" for d, v in data.get("designs", {}).items()) + "\n")
     if data["results"]:
-        out.append("TTFT of one prompt (median; a 1-token generation):\n")
-        out.append(markdown_table(data["results"], ["prompt_tokens", "case", "ttft_ms", "cached_tokens", "vs_recompute",
-                                                    "vs_vllm_prefix"],
-                                  ["prompt tokens", "case", "TTFT ms", "cached tokens", "x recompute",
-                                   "x vLLM prefix hit"]))
+        out.append("TTFT of one prompt (median; a 1-token generation). Goals: kvstore_dram x vLLM prefix hit "
+                   f"{GOALS['dram_hit']['op']} {GOALS['dram_hit']['limit']:g}; kvstore_nvme x recompute "
+                   f"{GOALS['nvme_hit']['op']} {GOALS['nvme_hit']['limit']:g} from "
+                   f"{GOALS['nvme_hit']['min_tokens']} tokens.\n")
+        rows = [{**r, "goal": _goal_text(r.get("goal"))} for r in data["results"]]
+        out.append(markdown_table(rows, ["prompt_tokens", "case", "design", "ttft_ms", "cached_tokens",
+                                         "vs_recompute", "vs_vllm_prefix", "goal"],
+                                  ["prompt tokens", "case", "design", "TTFT ms", "cached tokens", "x recompute",
+                                   "x vLLM prefix hit", "goal"]))
     if data["multi_turn"]:
-        p = data["params"]
         out.append(f"\nMulti-turn: {p['mt_clients']} clients x {p['mt_turns']} turns, shared {p['mt_system']}-token "
                    f"system prompt, prompts growing to ~{p['mt_max_tokens']} tokens, {p['mt_output']} output tokens "
                    "a turn. hbm_pressure = vLLM's prefix cache reset between turns. Throughput = (prompt + output "
-                   "tokens) / wall time.\n")
-        rows = [{**r, "cached": f"{100 * r['cached_share']:.1f}%"} for r in data["multi_turn"]]
-        out.append(markdown_table(rows, ["regime", "case", "max_prompt_tokens", "prompt_tokens", "cached",
-                                         "mean_ttft_ms", "p90_ttft_ms", "wall_s", "throughput_tok_s", "x_recompute"],
-                                  ["regime", "case", "last prompt tokens", "prompt tokens", "from cache",
-                                   "mean TTFT ms", "p90 TTFT ms", "wall s", "tokens/s", "x recompute"]))
+                   f"tokens) / wall time. Goal: kvstore under hbm_pressure x recompute {GOALS['multi_turn']['op']} "
+                   f"{GOALS['multi_turn']['limit']:g}.\n")
+        rows = [{**r, "cached": f"{100 * r['cached_share']:.1f}%", "goal": _goal_text(r.get("goal"))}
+                for r in data["multi_turn"]]
+        out.append(markdown_table(rows, ["regime", "case", "design", "max_prompt_tokens", "prompt_tokens", "cached",
+                                         "mean_ttft_ms", "p90_ttft_ms", "wall_s", "throughput_tok_s", "x_recompute",
+                                         "goal"],
+                                  ["regime", "case", "design", "last prompt tokens", "prompt tokens", "from cache",
+                                   "mean TTFT ms", "p90 TTFT ms", "wall s", "tokens/s", "x recompute", "goal"]))
+    if data.get("no_reuse"):
+        out.append(f"\nNo reuse: {p['nr_prompts']} distinct prompts as one batch; prefill_heavy "
+                   f"{p['nr_prefill_tokens']} tokens each, 1 output token; decode_heavy {p['nr_decode_prompt']} "
+                   f"tokens each, {p['nr_decode_output']} output tokens. {p['nr_repeats']} rounds, a fresh engine "
+                   "per configuration each round, the order rotated; medians; x vLLM = median of the rounds' "
+                   f"paired ratios. Goal: kvstore x vLLM {GOALS['no_reuse']['op']} {GOALS['no_reuse']['limit']:g}.\n")
+        rows = [{**r, "goal": _goal_text(r.get("goal")),
+                 "per_round": " / ".join(f"{x:.3f}" for x in r["x_vllm_runs"])} for r in data["no_reuse"]]
+        out.append(markdown_table(rows, ["workload", "case", "design", "prompt_tokens", "output_tokens",
+                                         "cached_tokens", "wall_s", "throughput_tok_s", "x_vllm", "per_round", "goal"],
+                                  ["workload", "case", "design", "prompt tokens", "output tokens", "cached tokens",
+                                   "wall s", "tokens/s", "x vLLM", "x vLLM per round", "goal"]))
+    if data.get("goals"):
+        out.append("\nGoals (issue 13), per design:\n")
+        keys = list(dict.fromkeys((g["goal"], g["where"]) for g in data["goals"]))
+        by = {(g["goal"], g["where"], g["design"]): g for g in data["goals"]}
+        rows = []
+        for name, where in keys:
+            row = {"label": GOALS[name]["label"], "where": where,
+                   "limit": f"{GOALS[name]['op']} {GOALS[name]['limit']:g}"}
+            for d in designs:
+                g = by.get((name, where, d))
+                row[d] = "" if g is None else f"{g['value']:.3f} {'PASS' if g['pass'] else 'FAIL'}"
+            rows.append(row)
+        out.append(markdown_table(rows, ["label", "where", "limit"] + designs, ["goal", "where", "limit"] + designs))
+        met = [f"{d} {sum(g['pass'] for g in data['goals'] if g['design'] == d)}/"
+               f"{sum(1 for g in data['goals'] if g['design'] == d)}" for d in designs]
+        out.append("\nGoals met: " + ", ".join(met))
     notes = [f"- {s['label']}: {'driven in this run' if s['available'] else 'not run: ' + s['why']}"
              for s in data["peers"].values()]
-    out.append("\nPeers (device: " + data["params"]["device"] + "):\n" + "\n".join(notes))
+    out.append("\nPeers (device: " + p["device"] + "):\n" + "\n".join(notes))
+    if "wall_s" in p:
+        load = ""
+        if p.get("load_start") is not None:
+            load = (f"; 1-min load average {p['load_start']:.1f} at the start, {p['load_end']:.1f} at the end, "
+                    f"{p['cpus']} CPUs")
+            if max(p["load_start"], p["load_end"]) > p["cpus"] + 0.5:
+                load += ": other work was running on this machine, so every figure is skewed"
+        out.append(f"\n(bench e2e took {p['wall_s']:.0f} s{load})")
     return "\n".join(out)
 
 
@@ -376,9 +614,9 @@ def plot(data: dict, folder: str) -> list[str]:
     rows = data["results"]
     if rows:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for case in dict.fromkeys(r["case"] for r in rows):
-            pts = [(r["prompt_tokens"], r["ttft_ms"]) for r in rows if r["case"] == case]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=case)
+        for key in dict.fromkeys((r["case"], r.get("design", "")) for r in rows):
+            pts = [(r["prompt_tokens"], r["ttft_ms"]) for r in rows if (r["case"], r.get("design", "")) == key]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_label(*key))
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("TTFT (ms)")
         ax.set_title(f"TTFT: recompute vs. prefix hits (tiny model, {data['params']['device'].upper()})")
@@ -391,13 +629,13 @@ def plot(data: dict, folder: str) -> list[str]:
     if data["multi_turn"]:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         regimes = list(dict.fromkeys(r["regime"] for r in data["multi_turn"]))
-        cases = list(dict.fromkeys(r["case"] for r in data["multi_turn"]))
+        cases = list(dict.fromkeys((r["case"], r.get("design", "")) for r in data["multi_turn"]))
         x = np.arange(len(regimes))
         w = 0.8 / max(1, len(cases))
-        for k, case in enumerate(cases):
-            by = {r["regime"]: r for r in data["multi_turn"] if r["case"] == case}
-            axes[0].bar(x + k * w, [by[g]["throughput_tok_s"] for g in regimes], w, label=case)
-            axes[1].bar(x + k * w, [by[g]["mean_ttft_ms"] for g in regimes], w, label=case)
+        for k, key in enumerate(cases):
+            by = {r["regime"]: r for r in data["multi_turn"] if (r["case"], r.get("design", "")) == key}
+            axes[0].bar(x + k * w, [by[g]["throughput_tok_s"] for g in regimes], w, label=_label(*key))
+            axes[1].bar(x + k * w, [by[g]["mean_ttft_ms"] for g in regimes], w, label=_label(*key))
         for ax, yl in zip(axes, ("tokens/s (prompt + output)", "mean TTFT (ms)")):
             ax.set_xticks(x + w * (len(cases) - 1) / 2, regimes)
             ax.set_ylabel(yl)
@@ -406,6 +644,25 @@ def plot(data: dict, folder: str) -> list[str]:
         axes[1].set_title("multi-turn TTFT")
         fig.tight_layout()
         path = os.path.join(folder, "e2e_multi_turn.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    if data.get("no_reuse"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        wls = list(dict.fromkeys(r["workload"] for r in data["no_reuse"]))
+        cases = list(dict.fromkeys((r["case"], r["design"]) for r in data["no_reuse"]))
+        x = np.arange(len(wls))
+        w = 0.8 / max(1, len(cases))
+        for k, key in enumerate(cases):
+            by = {r["workload"]: r for r in data["no_reuse"] if (r["case"], r["design"]) == key}
+            ax.bar(x + k * w, [by[g]["x_vllm"] for g in wls], w, label=_label(*key))
+        ax.axhline(GOALS["no_reuse"]["limit"], color="k", linestyle="--", linewidth=1, label="goal")
+        ax.set_xticks(x + w * (len(cases) - 1) / 2, wls)
+        ax.set_ylabel("tokens/s / vLLM's (no connector)")
+        ax.set_title("no-reuse tax")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(folder, "e2e_no_reuse.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

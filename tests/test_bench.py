@@ -5,7 +5,8 @@
 * agent: a replay-only trace hits 100 % after first sight, an all-distinct one 0 %, replay +
   genuine = hits, hits + misses by reason = tokens looked up (and equal the store's own metrics),
   TTL and capacity misses are attributed to the right reason;
-* e2e (drives vLLM): the TTFT and multi-turn tables, and the peers' status on CPU.
+* e2e (drives vLLM): the TTFT, multi-turn and no-reuse tables, each kvstore case once per design
+  (sync, async), the goals' ratios and pass/fail, and the peers' status on CPU.
 """
 
 from __future__ import annotations
@@ -327,38 +328,80 @@ def test_agent_config_errors_name_the_key(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_e2e_tiny(tmp_path):
+    """`bench e2e --quick`: every part (TTFT, multi-turn, no reuse) once per design, ratios and goals."""
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from bench import e2e
 
-    data = e2e.run(_args(e2e, ["--lengths", "128", "--repeats", "1", "--cases", "kvstore_dram",
-                               "--mt-clients", "2", "--mt-turns", "2", "--mt-max-tokens", "256", "--mt-system", "64",
-                               "--mt-first", "64", "--mt-output", "4", "--hidden", "128", "--layers", "2",
-                               "--dir", str(tmp_path), "--json", str(tmp_path / "e2e.json"),
-                               "--plots", str(tmp_path / "plots")]))
-    by = {r["case"]: r for r in data["results"]}
-    assert set(by) == {"recompute", "vllm_prefix", "kvstore_dram"}
-    assert by["recompute"]["cached_tokens"] == 0 and by["recompute"]["vs_recompute"] == 1.0
-    assert by["vllm_prefix"]["cached_tokens"] == 96  # the engine computes at least the last token
-    assert by["kvstore_dram"]["cached_tokens"] == 96  # served by kvstore (vLLM's cache was reset)
+    data = e2e.run(_args(e2e, ["--quick", "--cases", "kvstore_dram", "--dir", str(tmp_path),
+                               "--json", str(tmp_path / "e2e.json"), "--plots", str(tmp_path / "plots")]))
+    designs = ["sync", "async"]
+    assert data["params"]["designs"] == designs and data["params"]["quick"] is True
+    assert data["designs"]["sync"] == {"async_saves": False, "async_loads": False}
+    assert data["designs"]["async"] == {"async_saves": True, "async_loads": True}
+    by = {(r["case"], r["design"]): r for r in data["results"]}
+    assert list(by) == [("recompute", ""), ("vllm_prefix", ""), ("kvstore_dram", "sync"), ("kvstore_dram", "async")]
+    assert by[("recompute", "")]["cached_tokens"] == 0 and by[("recompute", "")]["vs_recompute"] == 1.0
+    assert by[("vllm_prefix", "")]["cached_tokens"] == 96  # the engine computes at least the last token
+    for d in designs:
+        r = by[("kvstore_dram", d)]
+        assert r["cached_tokens"] == 96  # served by kvstore (vLLM's cache was reset)
+        g = r["goal"]
+        assert g["goal"] == "dram_hit" and g["design"] == d and g["op"] == "<=" and g["limit"] == 1.3
+        assert g["value"] == pytest.approx(r["vs_vllm_prefix"]) and g["pass"] == (g["value"] <= 1.3)
     for r in data["results"]:
         assert r["ttft_ms"] > 0
+        assert r["vs_vllm_prefix"] == pytest.approx(r["ttft_ms"] / by[("vllm_prefix", "")]["ttft_ms"])
     mt = data["multi_turn"]
-    assert [(r["regime"], r["case"]) for r in mt] == [(g, c) for g in ("hbm_ample", "hbm_pressure")
-                                                      for c in ("recompute", "vllm_prefix", "kvstore")]
+    assert [(r["regime"], r["case"], r["design"]) for r in mt] == [
+        (g, c, d) for g in ("hbm_ample", "hbm_pressure") for c, d in
+        (("recompute", ""), ("vllm_prefix", ""), ("kvstore", "sync"), ("kvstore", "async"))]
     for r in mt:
         assert r["prompt_tokens"] == mt[0]["prompt_tokens"]  # the same prompts for every case
         assert r["throughput_tok_s"] > 0 and r["mean_ttft_ms"] > 0 and len(r["per_turn"]) == 2
         assert 0.0 <= r["cached_share"] < 1.0
+        assert (r["goal"] is not None) == (r["case"] == "kvstore" and r["regime"] == "hbm_pressure")
     assert all(r["x_recompute"] == 1.0 for r in mt if r["case"] == "recompute")
     assert all(r["cached_share"] == 0.0 for r in mt if r["case"] == "recompute")
-    ample = {r["case"]: r for r in mt if r["regime"] == "hbm_ample"}
-    assert ample["vllm_prefix"]["cached_share"] > 0.3  # turn 2 re-uses turn 1
+    ample = {(r["case"], r["design"]): r for r in mt if r["regime"] == "hbm_ample"}
+    assert ample[("vllm_prefix", "")]["cached_share"] > 0.3  # turn 2 re-uses turn 1
+    nr = data["no_reuse"]
+    assert [(r["workload"], r["case"], r["design"]) for r in nr] == [
+        (w, c, d) for w in ("prefill_heavy", "decode_heavy") for c, d in
+        (("vllm", ""), ("kvstore", "sync"), ("kvstore", "async"))]
+    for r in nr:
+        assert r["cached_tokens"] == 0  # nothing is reused
+        assert r["prompt_tokens"] == 2 * (128 if r["workload"] == "prefill_heavy" else 32)
+        assert r["output_tokens"] == 2 * (1 if r["workload"] == "prefill_heavy" else 8)
+        assert r["throughput_tok_s"] > 0 and len(r["x_vllm_runs"]) == 1
+        assert r["x_vllm"] == (1.0 if r["case"] == "vllm" else pytest.approx(statistics.median(r["x_vllm_runs"])))
+        assert (r["goal"] is not None) == (r["case"] == "kvstore")
+    goals = data["goals"]
+    assert {(g["goal"], g["design"]) for g in goals} == {(n, d) for n in ("dram_hit", "multi_turn", "no_reuse")
+                                                         for d in designs}
+    assert len(goals) == 2 * (1 + 1 + 2)  # per design: one length, one multi-turn, two no-reuse workloads
+    for g in goals:
+        assert g["pass"] == (g["value"] <= g["limit"] if g["op"] == "<=" else g["value"] >= g["limit"])
+    text = e2e.render(data)
+    assert "Goals met: sync " in text and ", async " in text
+    assert text.count("PASS") + text.count("FAIL") == 2 * len(goals)  # beside each figure and in the summary
     if data["params"]["device"] == "cpu":
         assert not any(p["available"] for p in data["peers"].values())
         assert all("CPU" in p["why"] for p in data["peers"].values())
-    assert (tmp_path / "plots" / "e2e_multi_turn.png").exists()
-    assert json.loads((tmp_path / "e2e.json").read_text())["multi_turn"][0]["case"] == "recompute"
+    for name in ("e2e_ttft.png", "e2e_multi_turn.png", "e2e_no_reuse.png"):
+        assert (tmp_path / "plots" / name).exists()
+    on_disk = json.loads((tmp_path / "e2e.json").read_text())
+    assert on_disk["multi_turn"][0]["case"] == "recompute" and len(on_disk["goals"]) == len(goals)
+
+
+def test_e2e_designs_flag():
+    from bench import e2e
+
+    assert e2e._designs("async") == ["async"] and e2e._designs("sync, async,sync") == ["sync", "async"]
+    with pytest.raises(SystemExit):
+        e2e._designs("sync,fast")
+    g = e2e._goal("nvme_hit", 0.2, "4096 tokens", "sync")
+    assert g["pass"] is False and e2e._goal("no_reuse", 0.97, "decode_heavy", "async")["pass"] is True
 
 
 def test_copy_mode_through_the_cli(tmp_path, capsys):
