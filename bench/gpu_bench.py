@@ -65,14 +65,9 @@ def _rss() -> int:
 def _layout(name: str, B: int, a, N: int):
     import torch
 
-    from kvstore.kvcopy import KVLayout
+    from kvstore.kvcopy.layout import named_layout
 
-    dt = getattr(torch, a.dtype)
-    if name == "flashinfer":
-        return KVLayout.flashinfer(B, a.layers, N, a.heads, a.head_size, dt)
-    if name.startswith("vllm_"):
-        return KVLayout.vllm(name[5:], B, a.layers, N, a.heads, a.head_size, dt)
-    return getattr(KVLayout, name)(B, a.layers, N, a.heads, a.head_size, dt)
+    return named_layout(name, B, a.layers, N, a.heads, a.head_size, getattr(torch, a.dtype))
 
 
 def _cache(layout, gen):

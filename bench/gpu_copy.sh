@@ -19,7 +19,7 @@
 #
 # Knobs: PYTHON (default python3), KVCOPY_CUDA_ARCHS (default "90", H100/H200),
 # KVCOPY_BUILD_DIR (default: a fresh temp dir), BENCH_ARGS (extra flags for bench/gpu_bench.py,
-# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), SKIP_TESTS=1, SKIP_SANITIZER=1, SANITIZER_TIMEOUT (default 240 s).
+# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), SKIP_TESTS=1, SKIP_BENCH=1, SKIP_SANITIZER=1, SANITIZER_TIMEOUT (default 240 s).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -108,11 +108,13 @@ tail -n 25 "$OUT/pytest.txt" | tee -a "$LOG"
 [ $rc -eq 0 ] || { log "tests failed (rc=$rc), see $OUT/pytest.txt"; status=1; }
 
 # ----------------------------------------------------------------- 4. benchmark
-log "GPU benchmark (bench/gpu_bench.py)"
-# shellcheck disable=SC2086
-"$PY" -m bench.gpu_bench --out "$OUT" ${BENCH_ARGS:-} >>"$LOG" 2>&1
-rc=$?
-[ $rc -eq 0 ] || { log "GPU benchmark failed (rc=$rc)"; status=1; }
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+  log "GPU benchmark (bench/gpu_bench.py)"
+  # shellcheck disable=SC2086
+  "$PY" -m bench.gpu_bench --out "$OUT" ${BENCH_ARGS:-} >>"$LOG" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || { log "GPU benchmark failed (rc=$rc)"; status=1; }
+fi
 
 # ------------------------------------------------------------ 5. memcheck subset
 if [ "${SKIP_SANITIZER:-0}" != "1" ]; then

@@ -15,18 +15,11 @@ import sys
 import torch
 
 from kvstore import kvcopy
-from kvstore.kvcopy import KVLayout, reference
+from kvstore.kvcopy import reference
+from kvstore.kvcopy.layout import named_layout
 
-LAYOUTS = {
-    "vllm_cpu": lambda B, L, N, H, D, dt: KVLayout.vllm_cpu(B, L, N, H, D, dt),
-    "flash_attn": lambda B, L, N, H, D, dt: KVLayout.flash_attn(B, L, N, H, D, dt),
-    "flashinfer": lambda B, L, N, H, D, dt: KVLayout.flashinfer(B, L, N, H, D, dt),
-    "flashinfer_hnd": lambda B, L, N, H, D, dt: KVLayout.flashinfer(B, L, N, H, D, dt, hnd=True),
-    "cross_layer": lambda B, L, N, H, D, dt: KVLayout.cross_layer(B, L, N, H, D, dt),
-    "vllm_LBNHC": lambda B, L, N, H, D, dt: KVLayout.vllm("LBNHC", B, L, N, H, D, dt),
-    "vllm_BLNHC": lambda B, L, N, H, D, dt: KVLayout.vllm("BLNHC", B, L, N, H, D, dt),
-    "mla": lambda B, L, N, H, D, dt: KVLayout.mla(B, L, N, H * D, dt),
-}
+LAYOUTS = ("vllm_cpu", "flash_attn", "flashinfer", "flashinfer_hnd", "cross_layer", "vllm_LBNHC", "vllm_BLNHC",
+           "mla")
 DIMS = {"aligned": (3, 16, 4, 64), "odd": (3, 5, 3, 7)}  # layers, tokens, heads, head size
 
 
@@ -51,11 +44,11 @@ def main() -> int:
     gen = torch.Generator().manual_seed(9)
     side = torch.cuda.Stream()
     cases = bad = 0
-    for name, make in LAYOUTS.items():
+    for name in LAYOUTS:
         for dims, (L, N, H, D) in DIMS.items():
             for dtype in (torch.bfloat16, torch.float8_e4m3fn):
                 for n in (1, 37):
-                    lay = make(n + 5, L, N, H, D, dtype)
+                    lay = named_layout(name, n + 5, L, N, H, D, dtype)
                     kv = _cache(lay, dtype, gen)
                     for mode in ("kernel", "dma"):
                         for stream in (None, side):

@@ -22,7 +22,10 @@ Places (the context each passes) and the actions that make sense there:
 * ``store.read`` (store, keys): ``unlink``: the files vanish (another process deleted them);
   ``rewrite``: each file is replaced by another key's valid file (another process rewrote it).
 * ``nvme.read`` (path): ``eio``: the read fails with EIO (an unreadable file).
-* ``mover.scatter``: ``raise``: the copy into the engine's blocks fails.
+* ``mover.scatter``: ``raise``: the copy into the engine's blocks fails; ``hold``: it waits until
+  :func:`open_gate` (or :func:`clear`; at most 60 s): a load still in flight.
+* ``mover.gather``: ``raise``: an (async) gather fails, nothing is stored; ``hold``: a save still
+  in flight.
 * ``memory.pin``: ``raise``: registering a DRAM chunk with CUDA fails (start-up must fail).
 * ``rpc.serve`` (sock): ``close``: the worker closes the store socket mid-call.
 """
@@ -83,6 +86,17 @@ def clear() -> None:
     with _s.lock:
         _s.armed.clear()
         active = bool(_s.source)
+    _gate.set()
+
+
+def close_gate() -> None:
+    """``hold`` actions wait from now on (until :func:`open_gate`)."""
+    _gate.clear()
+
+
+def open_gate() -> None:
+    """Let every waiting (and later) ``hold`` action go on."""
+    _gate.set()
 
 
 def fired(name: str) -> int:
@@ -137,6 +151,20 @@ def _eio(**ctx) -> None:
     raise OSError(errno.EIO, "Input/output error (failpoint)")
 
 
+def _enospc(**ctx) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device (failpoint)")
+
+
+_gate = threading.Event()
+_gate.set()
+HOLD_MAX_S = 60.0
+
+
+def _hold(**ctx) -> None:
+    if not _gate.wait(HOLD_MAX_S):
+        log.warning("kvstore failpoint hold: gate not opened in %.0f s; going on", HOLD_MAX_S)
+
+
 def _drop_blocks(store, keys, **ctx) -> None:
     for t in store.tiers:
         t.remove(keys)
@@ -188,7 +216,7 @@ def _close(sock=None, **ctx) -> None:
     raise ConnectionError("failpoint: store socket closed")
 
 
-ACTIONS = {"raise": _raise, "eio": _eio, "drop_blocks": _drop_blocks, "close_store": _close_store,
+ACTIONS = {"raise": _raise, "eio": _eio, "enospc": _enospc, "hold": _hold, "drop_blocks": _drop_blocks, "close_store": _close_store,
            "unlink": _unlink, "rewrite": _rewrite, "close": _close}
 
 

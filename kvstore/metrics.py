@@ -64,6 +64,9 @@ class StoreMetrics:
         self.blocks = Gauge("kvstore_tier_blocks", "Blocks held, by tier", ["tier"], registry=r)
         self.bytes_held = Gauge("kvstore_tier_used_bytes", "Bytes held, by tier (what capacity is charged)",
                                 ["tier"], registry=r)
+        self.resident = Gauge("kvstore_tier_resident_bytes", "DRAM pool bytes resident in RAM (mincore), to read "
+                              "against kvstore_tier_capacity_bytes: pre-faulted memory is resident whole", ["tier"],
+                              registry=r)
         self.capacity = Gauge("kvstore_tier_capacity_bytes", "Capacity, by tier (a full disk lowers NVMe's; "
                               "DRAM's grows while its pool is prepared)", ["tier"], registry=r)
         self.info = Gauge("kvstore_store_info", "The store's identity (value 1): model, key-chain root and NVMe "

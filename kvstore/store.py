@@ -191,6 +191,8 @@ class KVStore:
         for t in self.tiers:
             # read at scrape time: a full disk lowers NVMe's, DRAM's grows as its pool is prepared
             self.metrics.capacity.labels(t.name).set_function(lambda t=t: t.capacity_bytes)
+        if self.dram is not None:
+            self.metrics.resident.labels("dram").set_function(self.dram.pool.resident_bytes)
         self._update_gauges()
 
     def _codec_geometry_tag(self, codec: str, fingerprint, kv_dtype: str | None, group_elems: int | None) -> bytes:

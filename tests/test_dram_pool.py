@@ -281,3 +281,25 @@ def test_a_pool_that_cannot_be_pinned_is_an_error_at_start_up(tmp_path):
     pool = SlabPool(4, 4096, pin=False)  # unpinned on request: fine
     assert not pool.pinned and pool.ready
     pool.close()
+
+
+def test_resident_bytes_match_the_capacity_once_ready(tmp_path):
+    """RSS against capacity (issue 13): the pool's mappings are resident whole once prepared, and the
+    store reports it at scrape time beside the capacity."""
+    from kvstore.config import from_dict
+    from kvstore.keys import ModelFingerprint
+    from kvstore.store import KVStore
+
+    pool = SlabPool(3 * PER_CHUNK, SLOT, pin=False, chunk_bytes=CHUNK)
+    assert pool.wait_ready(30)
+    assert pool.resident_bytes() == 3 * PER_CHUNK * SLOT
+    pool.close()
+    s = KVStore(from_dict({"tiers": {"dram": {"capacity_gb": 0.01, "pin_memory": False},
+                                     "nvme": {"path": str(tmp_path / "s")}}}),
+                block_bytes=SLOT, fingerprint=ModelFingerprint("m"))
+    try:
+        assert s.wait_ready(30)
+        cap = s.metrics.value("kvstore_tier_capacity_bytes", tier="dram")
+        assert cap > 0 and s.metrics.value("kvstore_tier_resident_bytes", tier="dram") == cap
+    finally:
+        s.close()

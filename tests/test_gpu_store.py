@@ -44,8 +44,12 @@ def _block_bytes(caches, ids) -> torch.Tensor:
     return torch.stack([c.index_select(1, idx).transpose(0, 1) for c in caches], 1).view(torch.uint8).cpu()
 
 
+@pytest.mark.parametrize("design", ["sync", "async"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_save_demote_load_round_trip_is_byte_identical(device, tmp_path):
+def test_save_demote_load_round_trip_is_byte_identical(device, design, tmp_path):
+    """``async``: the gathers run on the store thread (CUDA: a side stream ordered after the compute
+    stream by an event), the load on the load thread (a high-priority stream), reported by
+    ``get_finished`` with no failed block."""
     gen = torch.Generator().manual_seed(15)
     caches, layout = _paged_cache(device, gen)
     dram_blocks, n = 8, 24
@@ -54,18 +58,25 @@ def test_save_demote_load_round_trip_is_byte_identical(device, tmp_path):
         "nvme": {"path": str(tmp_path / "s"), "capacity_gb": nvme_gb(64, layout.block_bytes)}}})
     fp = ModelFingerprint(model="gpu-round-trip", dtype="bfloat16", block_size=BS, num_layers=L, num_kv_heads=H,
                           head_size=D, layout=layout.fingerprint())
-    shared = acquire_shared(f"gpu-test/{device}", cfg, fp, layout.block_bytes, BS)
+    shared = acquire_shared(f"gpu-test/{device}/{design}", cfg, fp, layout.block_bytes, BS)
+    asy = design == "async"
+    mover = None
     try:
         store = shared.store
         if device == "cuda":
             assert store.dram.pool.pinned, "the DRAM slab must be registered with CUDA"
-        mover = Mover(shared)
+        mover = Mover(shared, async_saves=asy, async_loads=asy)
         mover.register(caches, layout)
         keys = chain_keys(store.root, list(range(1000, 1000 + n * BS)), BS)
         src_ids = list(range(n))
         for i in range(0, n, dram_blocks):  # one engine step per DRAM-full: older blocks are demoted
             mover.save(StepPlan(stores=[StorePlan("a", src_ids[i:i + dram_blocks], keys[i:i + dram_blocks],
                                                   start=i)], step=1 + i))
+            if asy:
+                assert mover.jobs.wait_idle(30)
+        if asy:
+            assert mover.jobs.counts["stores"] == n // dram_blocks
+            assert mover.get_finished({"a"}) == ({"a"}, None)  # its blocks may be freed now
         assert store.contains_prefix(keys, record=False).num_blocks == n
         assert store.metrics.value("kvstore_demoted_blocks_total") >= n - dram_blocks  # through NVMe files
         assert store.metrics.value("kvstore_tier_blocks", tier="nvme") >= n - dram_blocks
@@ -75,13 +86,21 @@ def test_save_demote_load_round_trip_is_byte_identical(device, tmp_path):
             c[:, dst_ids] = 0
         hid, got, tiers = LocalClient(shared).begin_load(keys)
         assert got == n and {"dram", "nvme"} <= set(tiers)
-        mover.load(StepPlan(loads=[LoadPlan("b", dst_ids, hid, n * BS, tiers=tuple(tiers))], step=100))
+        lp = LoadPlan("b", dst_ids, hid, n * BS, tiers=tuple(tiers))
+        if asy:  # the request waits in WAITING_FOR_REMOTE_KVS meanwhile
+            mover.load(StepPlan(async_loads=[lp], step=100))
+            assert mover.jobs.wait_idle(30)
+            assert mover.get_finished(set()) == (None, {"b"})
+        else:
+            mover.load(StepPlan(loads=[lp], step=100))
         assert mover.take_load_errors() == set()
         assert torch.equal(_block_bytes(caches, dst_ids), _block_bytes(caches, src_ids))
         for t in ("dram", "nvme"):
             assert shared.metrics.registry.get_sample_value(
                 "kvstore_engine_served_tokens_total", {"tier": t}) == tiers.count(t) * BS
     finally:
+        if mover is not None:
+            mover.close()
         release_shared(shared)
 
 

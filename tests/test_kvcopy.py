@@ -628,3 +628,14 @@ def test_reference_fallback_warns(monkeypatch, caplog, gen):
         kvcopy.gather(kv, lay, [3, 8], dst)
     assert torch.equal(dst, ref)
     assert any("reference" in r.message for r in caplog.records)
+
+
+def test_named_layouts_are_the_constructors():
+    """``named_layout`` (the GPU scripts' names) builds the same layouts as the constructors here."""
+    from kvstore.kvcopy.layout import named_layout
+
+    for name, make in LAYOUTS.items():
+        a, b = named_layout(name, 5, 2, 16, 3, 8, torch.float16), make(5, 2, 16, 3, 8, torch.float16)
+        assert (a.describe(), a.fingerprint(), a.block_bytes) == (b.describe(), b.fingerprint(), b.block_bytes), name
+    with pytest.raises(ValueError, match="unknown layout"):
+        named_layout("paged", 5, 2, 16, 3, 8, torch.float16)

@@ -177,7 +177,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    prefetch=self.config.tiers.nvme.enabled and self.config.tiers.dram.enabled,
                                    trace=trace, async_loads=self.config.io.async_loads,
                                    async_saves=self.config.io.async_saves,
-                                   always_delay=self.fingerprint.tp_size > 1)
+                                   # over RPC (another process, or TP > 1): no call per finished
+                                   # request; the engine core keeps stepping while a free is
+                                   # delayed, and the worker reports it (get_finished)
+                                   always_delay=self.fingerprint.tp_size > 1 or not isinstance(self.client,
+                                                                                                LocalClient))
         self._closed = False
         log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s", role.name,
                  self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,

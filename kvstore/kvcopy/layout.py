@@ -580,3 +580,18 @@ __all__ = [
     "KINDS",
     "dtype_info",
 ]
+
+
+def named_layout(name: str, B: int, L: int, N: int, H: int, D: int, dtype: Any) -> KVLayout:
+    """A layout by name, for tests and benchmarks: ``vllm_cpu``, ``flash_attn``, ``flashinfer``
+    (``flashinfer_nhd``), ``flashinfer_hnd``, ``cross_layer``, ``vllm_<ORDER>`` (one of
+    ``VLLM_LAYOUTS``), ``mla`` (latent ``H * D``), ``mla_4d``."""
+    if name in ("flashinfer", "flashinfer_nhd", "flashinfer_hnd"):
+        return KVLayout.flashinfer(B, L, N, H, D, dtype, hnd=name.endswith("hnd"))
+    if name.startswith("vllm_") and name != "vllm_cpu":
+        return KVLayout.vllm(name[5:], B, L, N, H, D, dtype)
+    if name in ("mla", "mla_4d"):
+        return KVLayout.mla(B, L, N, H * D, dtype, heads_axis=name == "mla_4d")
+    if name in ("vllm_cpu", "flash_attn", "cross_layer"):
+        return getattr(KVLayout, name)(B, L, N, H, D, dtype)
+    raise ValueError(f"unknown layout name {name!r}")
