@@ -82,7 +82,10 @@ class Engine:
         if mp:
             kw["distributed_executor_backend"] = "mp"  # worker in its own process: the store is reached over RPC
         if connector:
-            cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
+            # the DRAM index holds 80 blocks; 32 more slots (a turn's stores and more) take
+            # the victims still being written down, so a turn's stores are not skipped
+            head = HEADROOM if dram_gb else "auto"
+            cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None, "headroom_blocks": head},
                              "nvme": {"path": store, "capacity_gb": 1, "ttl_s": None}},
                    "metrics": {"port": port}}
             kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
@@ -260,7 +263,8 @@ def run_reference(model: str, store: str, names: list[str]) -> dict:
     return ref
 
 
-DRAM_GB = 80 * 128 * 1024 / 2 ** 30  # 80 blocks of the tiny model's 128 KiB
+HEADROOM = 32
+DRAM_GB = (80 + HEADROOM) * 128 * 1024 / 2 ** 30  # 80 blocks of the tiny model's 128 KiB, + headroom
 
 
 def set_failpoints(ctl: str, spec: str) -> None:
@@ -330,11 +334,12 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 "stores_skipped_failed_load": int(delta(after, before, "kvstore_engine_store_skipped_blocks_total")),
                 "store_errors": int(delta(after, before, "kvstore_engine_store_errors_total")),
                 "corrupt_files": int(delta(after, before, "kvstore_corrupt_files_total")),
+                "dram_no_slot": int(delta(after, before, "kvstore_tier_skipped_blocks_total")),
                 "metrics_seen": bool(after),
             })
             if not after:  # the store (and its metrics endpoint) is gone
                 for k in ("loads_failed_blocks", "tokens_recomputed", "blocks_stored_again",
-                          "stores_skipped_failed_load", "store_errors", "corrupt_files"):
+                          "stores_skipped_failed_load", "store_errors", "corrupt_files", "dram_no_slot"):
                     r[k] = None
             if FAULTS[name].get("last"):
                 r["healed"] = None  # the store is gone for good: nothing can hit again

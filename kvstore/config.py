@@ -74,6 +74,14 @@ def _int(key: str, v: Any, *, minimum: int, maximum: int | None = None, allow_no
     return v
 
 
+def _auto_or_int(key: str, v: Any) -> int | str:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(key, v, "auto | an integer >= 0")
+    return v
+
+
 def _choice(key: str, v: Any, choices: tuple) -> Any:
     if isinstance(v, str):
         low = v.strip().lower()
@@ -98,6 +106,7 @@ class DramConfig:
     policy: str = "lru"
     codec: str = "none"
     pin_memory: Any = "auto"  # auto: pin through torch when CUDA is available
+    headroom_blocks: Any = "auto"  # slots held back for victims being demoted; auto: 1/8 of them
 
     @property
     def capacity_bytes(self) -> int:
@@ -192,6 +201,7 @@ def _dram(d: Mapping) -> DramConfig:
         policy=_choice(f"{p}.policy", d.get("policy", base.policy), _policy_names()),
         codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
         pin_memory=_choice(f"{p}.pin_memory", d.get("pin_memory", base.pin_memory), PIN_CHOICES),
+        headroom_blocks=_auto_or_int(f"{p}.headroom_blocks", d.get("headroom_blocks", base.headroom_blocks)),
     )
 
 

@@ -26,6 +26,11 @@ Places (the context each passes) and the actions that make sense there:
   :func:`open_gate` (or :func:`clear`; at most 60 s): a load still in flight.
 * ``mover.gather``: ``raise``: an (async) gather fails, nothing is stored; ``hold``: a save still
   in flight.
+* ``nvme.write`` (key, path): ``eio``: the write fails with EIO; ``enospc``: the disk is full;
+  ``hold``: the write waits until :func:`open_gate` (or :func:`clear`; at most 60 s), e.g. a
+  demotion still in flight.
+* ``demote.write`` (key): ``hold``: a demotion (DRAM victim -> NVMe) waits before its write,
+  its block still in its DRAM slot; with ``nvme.write=enospc`` after it, a demotion that fails.
 * ``memory.pin``: ``raise``: registering a DRAM chunk with CUDA fails (start-up must fail).
 * ``rpc.serve`` (sock): ``close``: the worker closes the store socket mid-call.
 """

@@ -17,9 +17,10 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.exposition import generate_latest
 
+from kvstore.placement import MISS_REASONS  # noqa: F401 (re-exported; the rules module owns them)
+
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 TIERS = ("dram", "nvme")  # the tier label's values
-MISS_REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "corrupt")
 
 
 class StoreMetrics:
@@ -55,6 +56,11 @@ class StoreMetrics:
                                ["tier", "reason"], registry=r)
         self.demotions = Counter("kvstore_demoted_blocks", "Blocks written down from DRAM to NVMe", registry=r)
         self.promotions = Counter("kvstore_promoted_blocks", "Blocks copied up from NVMe to DRAM", registry=r)
+        self.skipped = Counter("kvstore_tier_skipped_blocks", "Blocks not stored in a tier, by reason (no_slot: "
+                               "every free DRAM slot held by a demotion in flight or a pin; never waited for)",
+                               ["tier", "reason"], registry=r)
+        self.demoting = Gauge("kvstore_demoting_blocks", "DRAM blocks being written down to NVMe (each still "
+                              "holds its slot and is served from it)", registry=r)
         self.failed = Counter("kvstore_tier_errors", "Block writes or reads that failed, by tier and op",
                               ["tier", "op"], registry=r)
         self.put_latency = Histogram("kvstore_put_seconds", "Time to store one batch of blocks, by tier",
@@ -68,7 +74,8 @@ class StoreMetrics:
                               "against kvstore_tier_capacity_bytes: pre-faulted memory is resident whole", ["tier"],
                               registry=r)
         self.capacity = Gauge("kvstore_tier_capacity_bytes", "Capacity, by tier (a full disk lowers NVMe's; "
-                              "DRAM's grows while its pool is prepared)", ["tier"], registry=r)
+                              "DRAM's grows while its pool is prepared; its index holds all but tiers.dram.headroom_blocks "
+                              "slots, kept for victims being written down)", ["tier"], registry=r)
         self.info = Gauge("kvstore_store_info", "The store's identity (value 1): model, key-chain root and NVMe "
                           "namespace, so a tool can find a prompt's blocks (keys = chain_keys(root, tokens))",
                           ["model", "root", "namespace"], registry=r)

@@ -53,11 +53,16 @@ def nvme_gb(blocks: int, block_bytes: int = BLOCK) -> float:
 def tiny_config(path: str | os.PathLike | None, *, dram_blocks: int = 4, nvme_blocks: int = 16,
                 block_bytes: int = BLOCK, dram_ttl: float | None = None, nvme_ttl: float | None = None,
                 policy: str = "lru", nvme_policy: str | None = None, write_mode: str = "write_back",
-                o_direct="auto", io_threads: int = 2, pin_memory=False, header: str = "inline") -> StoreConfig:
+                o_direct="auto", io_threads: int = 2, pin_memory=False, header: str = "inline",
+                headroom=0) -> StoreConfig:
+    """``dram_blocks`` is what the DRAM index holds; ``headroom`` more slots (none by default, so
+    a test's evictions are exact) are kept for victims still being written down."""
+    if headroom != "auto":
+        dram_blocks += headroom
     return from_dict({
         "tiers": {
             "dram": {"capacity_gb": dram_gb(dram_blocks, block_bytes), "ttl_s": dram_ttl, "policy": policy,
-                     "pin_memory": pin_memory},
+                     "pin_memory": pin_memory, "headroom_blocks": headroom},
             "nvme": {"path": None if path is None else str(path), "capacity_gb": nvme_gb(nvme_blocks, block_bytes),
                      "ttl_s": nvme_ttl, "policy": nvme_policy or policy, "write_mode": write_mode,
                      "o_direct": o_direct, "io_threads": io_threads, "header": header},

@@ -164,34 +164,23 @@ def test_slab_pool_alloc_waits_for_a_freed_slot():
     pool.close()
 
 
-def test_reserve_waits_for_a_slot_still_being_demoted(clock):
-    """A swept entry leaves the index at once, but its slot is busy until its demotion is done:
-    a concurrent reserve must wait for that slot, not fail for want of room."""
+def test_reserve_never_waits_for_a_slot_held_by_a_victim(clock):
+    """A victim leaves the index at once but keeps its slot until its caller frees it (a
+    demotion in flight): a reservation meanwhile finds no free slot and is dropped at once,
+    counted, never waiting; once the victim is freed its slot is used again."""
     t = DramTier(capacity_bytes=BLOCK, ttl_s=1, policy="lru", block_bytes=BLOCK, clock=clock, pin=False)
     x, y = CHAINS[0][0], CHAINS[0][1]
     t.put([x], [block_for(x)])
     clock.advance(2)
-    entered, release = threading.Event(), threading.Event()
-    demoted = []
-
-    def slow_demotion(tier, entries):
-        entered.set()
-        assert release.wait(10)
-        demoted.extend(np.array(tier.slot_view(e)[:BLOCK]) for e in entries)  # slot still intact
-
-    t.on_evict = slow_demotion
-    sweeper = threading.Thread(target=t.sweep)
-    sweeper.start()
-    assert entered.wait(10)
+    (victim,) = t.expire()  # victims as data: the slot is intact
+    assert np.array_equal(t.slot_view(victim)[:BLOCK], block_for(x))
     result = []
-    putter = threading.Thread(target=lambda: result.append(t.put([y], [block_for(y)])))
+    putter = threading.Thread(target=lambda: result.append(t.reserve([y])))
     putter.start()
-    time.sleep(0.1)
-    assert not result  # waiting for the slot
-    release.set()
-    sweeper.join(10)
     putter.join(10)
-    assert result == [1] and t.contains(y)
-    assert np.array_equal(demoted[0], block_for(x))
+    assert not putter.is_alive() and result[0] == [None] and result[0].no_slot == 1
+    assert t.stats["no_room"] == 1 and np.array_equal(t.slot_view(victim)[:BLOCK], block_for(x))
+    t.free([victim])
+    assert t.put([y], [block_for(y)]) == 1 and t.contains(y)
     check_tier(t)
     t.close()

@@ -27,10 +27,11 @@ BB = 4096  # small blocks: one DRAM slot, one NVMe file page
 
 
 def cfg_blocks(dram_blocks, dram_ttl, nvme_blocks, nvme_ttl, policy="lru", shared=None, write_mode="write_back",
-               nvme_policy=None):
+               nvme_policy=None, headroom=0):
+    """``dram_blocks`` held by the DRAM index, plus ``headroom`` slots (none: exact scenarios)."""
     return from_dict({"tiers": {
-        "dram": {"capacity_gb": dram_blocks * BB / GiB, "ttl_s": dram_ttl, "ttl_shared_s": shared, "policy": policy,
-                 "pin_memory": False},
+        "dram": {"capacity_gb": (dram_blocks + headroom) * BB / GiB, "ttl_s": dram_ttl, "ttl_shared_s": shared,
+                 "policy": policy, "pin_memory": False, "headroom_blocks": headroom},
         "nvme": {"capacity_gb": nvme_blocks * (BB + 4096) / GiB, "ttl_s": nvme_ttl, "ttl_shared_s": shared,
                  "policy": nvme_policy or policy, "header": "inline", "io_threads": 1, "write_mode": write_mode}}})
 
@@ -278,3 +279,60 @@ def test_a_trace_recorded_by_vllm_can_be_tuned(tmp_path):
     assert rec["hit_rate"] == pytest.approx(288 / (300 + 340 + 200))
     assert rec["misses_by_reason"]["never_stored"] == (9 + 6) * 32 and rec["misses_by_reason"]["diverged"] == 32
     assert load_config(tmp_path / "rec.yaml", environ={}).tiers.dram.capacity_gb > 0
+
+
+# -- the placement rules, step by step (simulator and real store) ---------------------------------
+
+
+def _state(sim):
+    d = sorted(k for k, e in sim.D.entries.items())
+    n = sorted(k for k, e in sim.N.entries.items())
+    return d, n
+
+
+def test_placement_scenario_step_by_step(tmp_path):
+    """A 2-slot DRAM over a 4-file NVMe, write-back, LRU. Each step spells out what the rules of
+    kvstore.placement do; the real store (replay_store) must agree on every hit and miss."""
+    from kvstore import placement
+
+    def rec(t, s, blocks):
+        return {"t": t, "session": s, "blocks": [b.to_bytes(16, "little").hex() for b in blocks],
+                "block_tokens": 16, "prompt_tokens": 16 * len(blocks)}
+
+    records = [rec(0, "a", [1, 2]), rec(1, "b", [3]), rec(2, "a", [1, 2]), rec(3, "c", [4]),
+               rec(4, "c", [4, 5, 6])]
+    trace = from_records(records)
+    cfg = cfg_blocks(2, None, 4, None)
+    sim = Simulator.from_config(cfg, BB)
+    reqs = list(trace.requests())
+    k = {i: reqs[j][2][p] for j, p, i in ((0, 0, 1), (0, 1, 2), (1, 0, 3), (3, 0, 4), (4, 1, 5), (4, 2, 6))}
+
+    # 1. cold: never stored; both blocks admitted to DRAM (2 slots)
+    assert sim.request(*reqs[0]) == (0, 0, "never_stored")
+    assert _state(sim) == (sorted([k[1], k[2]]), []) and sim.free_slots == 0
+    # 2. DRAM full: the LRU victim (2: a chain is committed tail first, so its head ends most
+    #    recent) is demoted (placement.DEMOTE) and holds its slot until its write is done; block 3
+    #    finds no free slot (split_by_slots), is skipped in DRAM and written to NVMe by put
+    assert placement.demote_action(0.0, 1.0, has_lower=True, lower_holds=False, lower_ttl=None) == placement.DEMOTE
+    assert sim.request(*reqs[1]) == (0, 0, "never_stored")
+    assert _state(sim) == ([k[1]], sorted([k[2], k[3]]))
+    assert (sim.demotions, sim.skipped, sim.free_slots) == (1, 1, 1)
+    # 3. 1 from DRAM, 2 from NVMe; 2 is promoted into the free slot (no eviction); NVMe keeps its copy
+    assert sim.request(*reqs[2]) == (1, 1, None)
+    assert _state(sim) == (sorted([k[1], k[2]]), sorted([k[2], k[3]])) and sim.promotions == 1
+    # 4. DRAM full again: victim 1 (LRU) is demoted; 4 is skipped in DRAM, written to NVMe
+    assert sim.request(*reqs[3]) == (0, 0, "never_stored")
+    assert _state(sim) == ([k[2]], sorted([k[1], k[2], k[3], k[4]]))
+    assert (sim.demotions, sim.skipped) == (2, 2)
+    # 5. 4 hits on NVMe and is promoted into the free slot; the put skips 4 (placement.admit:
+    #    NVMe holds it) and stores 5 and 6, evicting 2 and 4: both already on NVMe
+    #    (placement.ALREADY_LOWER), so their slots are freed at once, no write, nothing skipped
+    assert placement.admit(lower_holds=True) is False
+    assert placement.demote_action(0.0, 4.0, has_lower=True, lower_holds=True, lower_ttl=None) == placement.ALREADY_LOWER
+    assert sim.request(*reqs[4]) == (0, 1, "diverged")
+    assert _state(sim) == (sorted([k[5], k[6]]), sorted([k[1], k[2], k[3], k[4]]))
+    assert (sim.demotions, sim.skipped, sim.promotions, sim.free_slots) == (2, 2, 2, 0)
+    r = sim.result()
+    real = replay_store(trace, cfg, BB, nvme_path=str(tmp_path))
+    assert r["hit_rate"] == real["hit_rate"] and r["hit_rate_by_tier"] == real["hit_rate_by_tier"]
+    assert {x: v for x, v in r["misses_by_reason"].items() if v} == real["misses_by_reason"]

@@ -2,8 +2,15 @@
 
 Index work (reserve/commit/acquire/release) happens under the tier's lock and is cheap; data
 movement (``write``/``read``) happens outside it, on entries that are pinned, so it can run on
-an I/O pool. Evicted entries go through ``on_evict`` (the store demotes them to the tier
-below) before the medium frees them.
+an I/O pool.
+
+Victims are data, not callbacks: :meth:`Tier.begin_reserve` makes room in the index and returns
+the entries it pushed out (expired or evicted for capacity) *still holding their medium* (a
+DRAM slot, an NVMe file); the caller decides what each one needs (the store demotes a DRAM
+victim to NVMe, see :mod:`kvstore.demote`) and hands it back with :meth:`Tier.free` once that
+is done. :meth:`Tier.attach` then gives the new entries their medium, never waiting: an entry
+that finds none (every DRAM slot held by a pin or a demotion in flight) is dropped and counted.
+:meth:`reserve` does the three steps at once for a tier used alone (victims freed at once).
 """
 
 from __future__ import annotations
@@ -19,6 +26,21 @@ from kvstore.index import EXPIRED, READY, Entry, TierIndex
 from kvstore.policy import make_policy
 
 
+class Reservation(list):
+    """What :meth:`Tier.begin_reserve` returns: a list of WRITING entries (None where the key is
+    present, pending or there is no room) plus ``victims`` (entries that left the index, each
+    still holding its medium until :meth:`Tier.free`) and, after :meth:`Tier.attach`,
+    ``no_slot`` (entries dropped for want of a free slot)."""
+
+    victims: list[Entry]
+    no_slot: int
+
+    def __init__(self, entries=(), victims=None):
+        super().__init__(entries)
+        self.victims = victims if victims is not None else []
+        self.no_slot = 0
+
+
 class Tier(ABC):
     name: str = "tier"
 
@@ -30,7 +52,6 @@ class Tier(ABC):
         self.clock = clock
         self.index = TierIndex(capacity_bytes, ttl_s, make_policy(policy))
         self.lock = threading.RLock()
-        self.on_evict: Callable[["Tier", list[Entry]], None] | None = None
         self.stats = {"evicted": 0, "expired": 0, "corrupt": 0, "write_failed": 0}
 
     # -- medium (no lock held; entries are pinned) -----------------------------------------------
@@ -46,8 +67,9 @@ class Tier(ABC):
     def _free(self, entry: Entry) -> None:
         """Release the medium behind an entry that left the index."""
 
-    def _assign(self, entry: Entry, wait: bool = True) -> bool:
-        """Attach medium to a freshly reserved entry (e.g. a DRAM slot). False = no room."""
+    def _assign(self, entry: Entry) -> bool:
+        """Attach medium to a freshly reserved entry (e.g. a free DRAM slot), never waiting.
+        False = none free now."""
         return True
 
     # -- index (cheap, under the lock) -----------------------------------------------------------
@@ -55,15 +77,12 @@ class Tier(ABC):
         with self.lock:
             return self.index.lookup(key, self.clock()) is not None
 
-    def reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> list[Entry | None]:
-        """Phase 1 of a write: WRITING entries (pinned), None where present, pending or no room.
-
-        Two passes: the index makes room under the lock; victims are handed to ``on_evict``
-        (demotion) and freed outside it; then the medium is attached (outside the lock: the
-        WRITING entries belong to this caller alone).
-        """
-        out: list[Entry | None] = []
-        evicted: list[Entry] = []
+    def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
+        """Phase 1 of a write, index only: WRITING entries (pinned, no medium yet), None where
+        present, pending or no room; ``victims``: what left the index to make room, medium intact
+        (the caller moves it if it must, then :meth:`free`; then :meth:`attach`)."""
+        out = Reservation()
+        evicted = out.victims
         with self.lock:
             now = self.clock()
             for k in keys:
@@ -76,27 +95,40 @@ class Tier(ABC):
                     e, ev = self.index.reserve(k, self.entry_bytes, now, ttl)
                     evicted.extend(ev)
                 out.append(e)
-        try:
-            self._evict(evicted)
-        except BaseException:
-            with self.lock:
-                for e in out:
-                    if e is not None:
-                        self.index.abort(e)
-            raise
-        # Attach the medium outside the lock (the entries are WRITING and pinned: ours alone).
-        # A DRAM slot may still be held by a victim another thread is demoting; _assign waits.
+        self._count_victims(evicted)
+        return out
+
+    def attach(self, res: Reservation) -> Reservation:
+        """Give reserved entries their medium (outside the lock: WRITING entries are the caller's
+        alone). Never waits: an entry with none free is aborted, set to None, counted in
+        ``res.no_slot``."""
         failed = []
-        for i, e in enumerate(out):
-            if e is not None and not self._assign(e, wait=not failed):  # after one timeout, no more waits
+        for i, e in enumerate(res):
+            if e is not None and not self._assign(e):
                 failed.append(e)
-                out[i] = None
+                res[i] = None
         if failed:
             with self.lock:
                 for e in failed:
                     self.index.abort(e)
                 self.stats["no_room"] = self.stats.get("no_room", 0) + len(failed)
-        return out
+            res.no_slot += len(failed)
+        return res
+
+    def abort(self, entries: Sequence[Entry | None]) -> None:
+        """Drop reserved entries never written (their medium, if any, is freed)."""
+        self.commit(entries, [False] * len(entries))
+
+    def reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
+        """The three steps for a tier used alone: victims are freed at once (nothing below)."""
+        res = self.begin_reserve(keys, ttl)
+        self.free(res.victims)
+        return self.attach(res)
+
+    def free(self, victims: Sequence[Entry]) -> None:
+        """Release the medium of entries that left the index (victims, once moved)."""
+        for e in victims:
+            self._free(e)
 
     def commit(self, entries: Sequence[Entry | None], oks: Sequence[bool], at: float | None = None,
                session: str | None = None, keep_pinned: bool = False) -> None:
@@ -188,25 +220,25 @@ class Tier(ABC):
             self._free(e)
         return len(gone)
 
-    def sweep(self, limit: int | None = None) -> int:
-        """Expire what is due (bounded); expired entries still go through ``on_evict``."""
+    def expire(self, limit: int | None = None) -> list[Entry]:
+        """Take what is due out of the index (bounded); the victims keep their medium (see
+        :meth:`begin_reserve`) until :meth:`free`."""
         with self.lock:
             ev = self.index.expire(self.clock(), limit)
-        self._evict(ev)
+        self._count_victims(ev)
+        return ev
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Expire what is due and free it (a tier used alone)."""
+        ev = self.expire(limit)
+        self.free(ev)
         return len(ev)
 
-    def _evict(self, evicted: list[Entry]) -> None:
-        if not evicted:
-            return
-        exp = sum(1 for e in evicted if e.reason == EXPIRED)
-        self.count("expired", exp)
-        self.count("evicted", len(evicted) - exp)
-        try:
-            if self.on_evict is not None:
-                self.on_evict(self, evicted)
-        finally:
-            for e in evicted:
-                self._free(e)
+    def _count_victims(self, evicted: list[Entry]) -> None:
+        if evicted:
+            exp = sum(1 for e in evicted if e.reason == EXPIRED)
+            self.count("expired", exp)
+            self.count("evicted", len(evicted) - exp)
 
     def count(self, stat: str, n: int = 1) -> None:
         """Add to a tier statistic (thread-safe)."""

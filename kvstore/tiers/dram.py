@@ -12,20 +12,19 @@ from typing import Callable
 
 import numpy as np
 
+from kvstore import placement
 from kvstore.fileformat import round_up
 from kvstore.index import Entry
 from kvstore.memory import CHUNK_BYTES, SlabPool, as_bytes
 from kvstore.tiers.base import Tier
 
 
-ASSIGN_TIMEOUT_S = 10.0
-
-
 class DramTier(Tier):
     name = "dram"
 
     def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
-                 clock: Callable[[], float] = time.time, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES):
+                 clock: Callable[[], float] = time.time, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
+                 headroom: int | str = 0):
         # Slots are padded to 4 KiB so NVMe O_DIRECT I/O can use them in place.
         self.slot_bytes = round_up(block_bytes)
         n_slots = capacity_bytes // self.slot_bytes
@@ -34,9 +33,17 @@ class DramTier(Tier):
         super().__init__(capacity_bytes=0, ttl_s=ttl_s, policy=policy,
                          block_bytes=block_bytes, clock=clock, entry_bytes=self.slot_bytes)
         self._closed = False
+        # slots the index never fills: victims hold theirs until written down (placement.py)
+        self.headroom = placement.dram_headroom(n_slots, headroom)
+        self._ready_slots = 0
         self.pool = SlabPool(n_slots, self.slot_bytes, pin=pin, chunk_bytes=chunk_bytes, on_ready=self._on_pool_ready)
         with self.lock:
-            self.index.capacity += self.pool.initial_slots * self.slot_bytes
+            self._grow(self.pool.initial_slots)
+
+    def _grow(self, n_new_slots: int) -> None:
+        """Under the lock: ``n_new_slots`` more slots are ready; the index may use all but the headroom."""
+        self._ready_slots += n_new_slots
+        self.index.capacity = max(0, self._ready_slots - self.headroom) * self.slot_bytes
 
     def _on_pool_ready(self, n_new_slots: int) -> None:
         """A background chunk of the pool is ready (its slots already free): admit its blocks."""
@@ -45,9 +52,15 @@ class DramTier(Tier):
             if self._closed:
                 return
         try:
-            self.index.capacity += n_new_slots * self.slot_bytes
+            self._grow(n_new_slots)
         finally:
             self.lock.release()
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The slab's ready slots (the memory the tier takes); the index holds all but the
+        ``headroom`` of them."""
+        return self._ready_slots * self.slot_bytes
 
     @property
     def ready(self) -> bool:
@@ -58,10 +71,10 @@ class DramTier(Tier):
         """Wait until the whole pool is prepared. False on timeout or if preparation stopped short."""
         return self.pool.wait_ready(timeout)
 
-    def _assign(self, entry: Entry, wait: bool = True) -> bool:
-        # The index never holds more entries than there are slots, but a slot whose entry just
-        # left the index stays taken until its demotion (another thread) is done: wait for it.
-        slot = self.pool.alloc(timeout=ASSIGN_TIMEOUT_S if wait else 0.0)
+    def _assign(self, entry: Entry) -> bool:
+        # The index never holds more entries than there are slots, but a victim that left the
+        # index keeps its slot until its demotion is done: then there may be none free. Never wait.
+        slot = self.pool.alloc()
         if slot is None:
             return False
         entry.slot = slot

@@ -313,6 +313,7 @@ class NvmeTier(Tier):
         tmp = f"{entry.key.hex()}.{os.getpid()}.{next(self._seq)}.tmp"
         leaf = -1
         try:
+            failpoints.fire("nvme.write", key=entry.key, path=name)
             leaf = self._leaf_fd(entry.key, create=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600, dir_fd=self._tmp_fd)
             try:

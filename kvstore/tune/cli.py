@@ -127,7 +127,8 @@ def _run(a) -> int:
                       nvme_policy=a.nvme_policy or n.policy,
                       dram_ttl_shared=a.dram_ttl_shared if a.dram_ttl_shared is not None else d.ttl_shared_s,
                       nvme_ttl_shared=a.nvme_ttl_shared if a.nvme_ttl_shared is not None else n.ttl_shared_s,
-                      write_mode=n.write_mode, nvme_header="inline" if n.header == "inline" else "xattr")
+                      write_mode=n.write_mode, nvme_header="inline" if n.header == "inline" else "xattr",
+                      dram_headroom=d.headroom_blocks)
     from kvstore.policy import POLICIES
 
     for pol in (common.dram_policy, common.nvme_policy):

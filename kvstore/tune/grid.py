@@ -45,6 +45,7 @@ class Common:
     nvme_ttl_shared: float | None = None
     write_mode: str = "write_back"
     nvme_header: str = "xattr"
+    dram_headroom: int | str = "auto"  # tiers.dram.headroom_blocks (the live default)
 
 
 def ttl_key(ttl: float | None) -> float:
@@ -52,7 +53,8 @@ def ttl_key(ttl: float | None) -> float:
 
 
 def tiers_of(s: Setting, c: Common) -> dict:
-    return {"dram": {"capacity_gb": s[0], "ttl_s": s[1], "ttl_shared_s": c.dram_ttl_shared, "policy": c.dram_policy},
+    return {"dram": {"capacity_gb": s[0], "ttl_s": s[1], "ttl_shared_s": c.dram_ttl_shared, "policy": c.dram_policy,
+                     "headroom_blocks": c.dram_headroom},
             "nvme": {"capacity_gb": s[2], "ttl_s": s[3], "ttl_shared_s": c.nvme_ttl_shared, "policy": c.nvme_policy}}
 
 
@@ -60,7 +62,7 @@ def make_sim(s: Setting, c: Common, **kw) -> Simulator:
     return Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB),
                      dram_ttl=s[1], nvme_ttl=s[3], dram_ttl_shared=c.dram_ttl_shared,
                      nvme_ttl_shared=c.nvme_ttl_shared, dram_policy=c.dram_policy, nvme_policy=c.nvme_policy,
-                     write_mode=c.write_mode, nvme_header=c.nvme_header, **kw)
+                     write_mode=c.write_mode, nvme_header=c.nvme_header, dram_headroom=c.dram_headroom, **kw)
 
 
 def run_point(trace: Trace, s: Setting, c: Common, rate: float = 1.0) -> dict:
@@ -99,7 +101,8 @@ def _unscale(r: dict, f: float) -> None:
 
 
 def _set_capacities(r: dict, s: Setting, c: Common) -> None:
-    sim = Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB))
+    sim = Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB),
+                    dram_headroom=c.dram_headroom)
     r["bytes_held"]["dram"]["capacity"] = sim.D.capacity if sim.D is not None else 0
     r["bytes_held"]["nvme"]["capacity"] = sim.N.capacity if sim.N is not None else 0
 

@@ -4,11 +4,17 @@
 :func:`kvstore.policy.make_policy`) through exactly the calls :class:`kvstore.store.KVStore`
 makes for one request of the connector — ``contains_prefix``, a load of the matched prefix
 (``get``: pin, count hits, promote NVMe blocks into DRAM) and a ``put`` of the prompt's full
-blocks — with the store's cross-tier rules:
+blocks — with the store's cross-tier rules, which come from :mod:`kvstore.placement` (the
+module the store calls too):
 
 * a DRAM victim (expired or evicted for capacity) is demoted to NVMe unless NVMe already holds
   it or it is already past NVMe's TTL (counted from its last access); the NVMe copy keeps the
-  DRAM recency;
+  DRAM recency. The demotion runs in the background: its NVMe entry is reserved at once, its
+  DRAM slot stays taken until the write is done. The model: background writes (demotions,
+  write-through copies) complete at the end of each store call (``get``, ``put``), in the
+  order they were started (what :func:`kvstore.tune.verify.replay_store` makes the real store
+  do); within a call, a block that finds no free DRAM slot is skipped (``put`` writes it to
+  NVMe instead; a promotion reads it without keeping it in DRAM);
 * an NVMe hit is promoted (copied) into DRAM; keys NVMe holds are not stored in DRAM again;
 * entry sizes: a DRAM slot is the block rounded up to 4 KiB, DRAM capacity a whole number of
   slots; an NVMe file is the same padded size (the ``xattr`` header layout, the default where
@@ -31,6 +37,7 @@ from array import array
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
+from kvstore import placement
 from kvstore.fileformat import file_bytes, round_up
 from kvstore.index import EXPIRED, READY, Entry, TierIndex
 from kvstore.policy import make_policy
@@ -51,7 +58,7 @@ class Simulator:
                  dram_ttl_shared: float | None = None, nvme_ttl_shared: float | None = None,
                  dram_policy: str = "lru", nvme_policy: str = "lru", write_mode: str = "write_back",
                  nvme_header: str = "xattr", ghost_capacity: int = GHOST_CAPACITY,
-                 record_samples: bool = True):
+                 record_samples: bool = True, dram_headroom: int | str = 0):
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if write_mode not in ("write_back", "write_through"):
@@ -63,12 +70,15 @@ class Simulator:
         self.D: TierIndex | None = None
         self.N: TierIndex | None = None
         if dram_bytes > 0 and self.n_slots > 0:  # as KVStore: a pool without a slot is no tier
-            self.D = TierIndex(self.n_slots * self.slot_bytes, dram_ttl, make_policy(dram_policy),
+            self.headroom = placement.dram_headroom(self.n_slots, dram_headroom, has_lower=nvme_bytes > 0)
+            self.D = TierIndex((self.n_slots - self.headroom) * self.slot_bytes, dram_ttl, make_policy(dram_policy),
                                ttl_shared_s=dram_ttl_shared)
         if nvme_bytes > 0:
             self.N = TierIndex(int(nvme_bytes), nvme_ttl, make_policy(nvme_policy), ttl_shared_s=nvme_ttl_shared)
         self.write_through = write_mode == "write_through"
-        self.step = max(1, self.n_slots // 2)  # KVStore.put's chunk (half the DRAM slots)
+        self.free_slots = self.n_slots  # DRAM slots neither attached to an entry nor held by a demotion
+        self._deferred: list[tuple] = []  # background writes of the current call, in start order
+        self.skipped = 0  # blocks that found no free DRAM slot
         self._ghosts: OrderedDict[Hashable, str] = OrderedDict()
         self._ghost_cap = ghost_capacity
         self.record_samples = record_samples
@@ -103,7 +113,7 @@ class Simulator:
                    nvme_bytes=n.capacity_bytes if n.enabled else 0, dram_ttl=d.ttl_s, nvme_ttl=n.ttl_s,
                    dram_ttl_shared=d.ttl_shared_s, nvme_ttl_shared=n.ttl_shared_s, dram_policy=d.policy,
                    nvme_policy=n.policy, write_mode=n.write_mode,
-                   nvme_header="inline" if n.header == "inline" else "xattr", **kw)
+                   nvme_header="inline" if n.header == "inline" else "xattr", dram_headroom=d.headroom_blocks, **kw)
 
     # -- the store's pieces ----------------------------------------------------------------------
     def _name(self, ix: TierIndex) -> str:
@@ -144,6 +154,15 @@ class Simulator:
             out.append(e)
         if evicted:
             self._evict(ix, evicted, now)
+        if ix is self.D:  # Tier.attach: free slots in order, never waiting
+            kept, skipped = placement.split_by_slots(out, self.free_slots)
+            if skipped:
+                for e, k in zip(out, kept):
+                    if e is not None and k is None:
+                        ix.abort(e)
+                self.skipped += skipped
+            self.free_slots -= sum(1 for e in kept if e is not None)
+            out = kept
         return out
 
     def _evict(self, ix: TierIndex, evicted: list[Entry], now: float) -> None:
@@ -163,38 +182,52 @@ class Simulator:
             self._remember_gone([e for e in evicted if D is None or D.lookup(e.key, now) is None])
 
     def _demote(self, entries: list[Entry], now: float) -> None:
-        """KVStore._on_dram_evict_copy (writes always succeed here)."""
+        """Demoter.take: the placement rules per victim; a write holds the slot until _complete."""
         N = self.N
-        if N is None:
-            self._remember_gone(entries)
-            return
-        todo = [e for e in entries if not self._holds(N, e.key, now)]
-        ttl = N.ttl
-        if ttl is not None and todo:
-            stale = [e for e in todo if e.last_access + ttl <= now]
-            if stale:
+        ttl = N.ttl if N is not None else None
+        todo, lost = [], []
+        for e in entries:
+            act = placement.demote_action(e.last_access, now, has_lower=N is not None,
+                                          lower_holds=N is not None and self._holds(N, e.key, now), lower_ttl=ttl)
+            if act == placement.DEMOTE:
+                todo.append(e)
+                continue
+            self.free_slots += 1
+            if act == placement.STALE:
                 self.ttl_used["nvme"] = True
-                self._remember_gone(stale, EXPIRED)
-                todo = [e for e in todo if e.last_access + ttl > now]
-        if not todo:
-            return
-        nentries = self._reserve(N, [e.key for e in todo], self.nvme_entry_bytes, now)
-        lost = []
-        for ne, e in zip(nentries, todo):
-            if ne is None:
+                self._remember_gone([e], EXPIRED)
+            elif act == placement.NO_LOWER:
                 lost.append(e)
-            else:
-                ne.last_access = e.last_access
-                N.commit(ne, e.last_access)  # the NVMe copy keeps the DRAM recency
-                self.demotions += 1
+        if todo:
+            for ne, e in zip(self._reserve(N, [e.key for e in todo], self.nvme_entry_bytes, now), todo):
+                if ne is None:
+                    self.free_slots += 1
+                    lost.append(e)
+                else:
+                    ne.last_access = e.last_access
+                    self._deferred.append((ne, e))
         if lost:
             self._remember_gone(lost)
+
+    def _complete(self, now: float) -> None:
+        """The end of a store call: background writes complete, in the order they started."""
+        N, D = self.N, self.D
+        for ne, e in self._deferred:
+            if e is None:  # a write-through copy of a block that left DRAM meanwhile: dropped
+                N.abort(ne)
+            elif isinstance(e, tuple):  # a write-through copy (its DRAM entry pinned meanwhile)
+                N.commit(ne, now)
+                D.unpin(e[0])
+            else:  # a demotion: the NVMe copy keeps the DRAM recency; the slot is free again
+                N.commit(ne, e.last_access)
+                self.demotions += 1
+                self.free_slots += 1
+        self._deferred.clear()
 
     def _remember_gone(self, entries: list[Entry], reason: str | None = None) -> None:
         g = self._ghosts
         for e in entries:
-            why = reason or e.reason
-            g[e.key] = why if why in (EXPIRED, "corrupt") else "evicted"
+            g[e.key] = placement.gone_reason(reason or e.reason)
             g.move_to_end(e.key)
         while len(g) > self._ghost_cap:
             g.popitem(last=False)
@@ -206,16 +239,15 @@ class Simulator:
                 g.pop(k, None)
 
     def _miss_reason(self, k: Hashable, at: int, now: float) -> str:
+        expired = False
         for ix in (self.D, self.N):
             if ix is not None:
                 e = ix.entries.get(k)
                 if e is not None and e.state == READY and e.expire_at <= now:
                     self.ttl_used[self._name(ix)] = True
-                    return EXPIRED
-        why = self._ghosts.get(k)
-        if why is not None:
-            return why
-        return "diverged" if at > 0 else "never_stored"
+                    expired = True
+                    break
+        return placement.miss_reason(expired=expired, remembered=self._ghosts.get(k), at=at)
 
     # -- one request -----------------------------------------------------------------------------
     def request(self, t: float, session: Hashable, keys: Sequence[Hashable], prompt_tokens: int,
@@ -313,7 +345,8 @@ class Simulator:
             return
         # promote: NVMe blocks are copied into fresh DRAM slots (while the DRAM hits stay pinned)
         nv = [e for e in nents if e is not None]
-        dres = self._reserve(D, [e.key for e in nv], self.slot_bytes, now) if D is not None else [None] * len(nv)
+        up = D is not None and placement.promote(True)
+        dres = self._reserve(D, [e.key for e in nv], self.slot_bytes, now) if up else [None] * len(nv)
         for e in nv:
             N.unpin(e)
         if D is not None:
@@ -321,13 +354,10 @@ class Simulator:
                 if de is not None:
                     D.commit(de, now)
                     self.promotions += 1
-                    de.pins += 1  # keep_pinned until end_load
-            for de in dres:
-                if de is not None:
-                    D.unpin(de)
             for e in dents:
                 if e is not None:
                     D.unpin(e)
+        self._complete(now)
 
     def _put(self, keys: Sequence[Hashable], now: float) -> None:
         """KVStore.put of the prompt's full blocks (present keys skipped)."""
@@ -336,41 +366,41 @@ class Simulator:
             if N is not None:
                 self._put_nvme(keys, now)
             return
-        step = self.step
-        nk = len(keys)
-        if nk > step:
-            self.cap_used["dram"] = True  # the chunking depends on the DRAM size
-        for i in reversed(range(0, nk, step)):
-            chunk = keys[i:i + step] if nk > step else keys
-            # begin_store: keys NVMe holds are not stored in DRAM again
-            if N is not None:
-                nget = N.entries.get
-                want = []
-                for k in chunk:  # not N.holds(k)
-                    e = nget(k)
-                    if e is None:
-                        want.append(k)
-                    elif e.state == READY and e.expire_at <= now:
-                        self.ttl_used["nvme"] = True
-                        want.append(k)
-                got = dict(zip(want, self._reserve(D, want, self.slot_bytes, now))) if want else {}
-                entries = [got.pop(k, None) for k in chunk]
-            else:
-                entries = self._reserve(D, chunk, self.slot_bytes, now)
-            # end_store: commit, last block first
-            stored = []
-            for e in reversed(entries):
-                if e is not None:
-                    D.commit(e, now)
-                    stored.append(e.key)
-            self._forget_gone(stored)
-            if stored and self.write_through and N is not None:
-                stored.reverse()  # the keys' order
-                self._write_through(stored, now)
-            if N is not None:
-                rest = [k for k, e in zip(chunk, entries) if e is None and not self._holds(D, k, now)]
-                if rest:
-                    self._put_nvme(rest, now)
+        # begin_store: keys NVMe holds are not stored in DRAM again
+        if N is not None:
+            nget = N.entries.get
+            want = []
+            for k in keys:  # placement.admit(not N.holds(k))
+                e = nget(k)
+                if e is None:
+                    want.append(k)
+                elif e.state == READY and e.expire_at <= now:
+                    self.ttl_used["nvme"] = True
+                    want.append(k)
+            got = {}
+            if want:
+                for k, e in zip(want, self._reserve(D, want, self.slot_bytes, now)):
+                    if e is not None:
+                        got[k] = e
+            entries = [got.pop(k, None) for k in keys]
+        else:
+            entries = self._reserve(D, keys, self.slot_bytes, now)
+        # end_store: commit, last block first
+        stored = []
+        for e in reversed(entries):
+            if e is not None:
+                D.commit(e, now)
+                stored.append(e.key)
+        self._forget_gone(stored)
+        if stored and self.write_through and N is not None:
+            stored.reverse()  # the keys' order
+            self._write_through(stored, now)
+        if N is not None:
+            # no DRAM slot: straight to NVMe (written by put itself)
+            rest = [k for k, e in zip(keys, entries) if e is None and not self._holds(D, k, now)]
+            if rest:
+                self._put_nvme(rest, now)
+        self._complete(now)
 
     def _put_nvme(self, keys: Sequence[Hashable], now: float) -> None:
         N = self.N
@@ -383,18 +413,18 @@ class Simulator:
         self._forget_gone(stored)
 
     def _write_through(self, keys: list[Hashable], now: float) -> None:
+        """KVStore._write_through: pin the DRAM copies, reserve NVMe now, copy in the background."""
         D, N = self.D, self.N
         dents = [D.lookup(k, now) for k in keys]
         for e in dents:
             if e is not None:
                 e.pins += 1
         nents = self._reserve(N, keys, self.nvme_entry_bytes, now)
-        for ne in nents:
+        for de, ne in zip(dents, nents):
             if ne is not None:
-                N.commit(ne, now)
-        for e in dents:
-            if e is not None:
-                D.unpin(e)
+                self._deferred.append((ne, (de,) if de is not None else None))
+            elif de is not None:
+                D.unpin(de)
 
     # -- results -----------------------------------------------------------------------------------
     def result(self) -> dict:

@@ -1,17 +1,58 @@
 """Replay a trace through a real :class:`kvstore.store.KVStore` (virtual clock, real DRAM pool and
 NVMe files), request by request as the connector drives it: ``contains_prefix``, ``get`` of the
 matched prefix, ``put`` of the prompt's full blocks. The reference the simulator is checked
-against (``kvstore tune --verify``, tests/test_tune.py)."""
+against (``kvstore tune --verify``, tests/test_tune.py).
+
+Both follow :mod:`kvstore.placement`; what this checks is the rest (the order of index calls).
+The store's background writes (demotions, write-through copies) run on a deferred executor:
+they complete at the end of each call, in the order they started, which is the simulator's
+model of them (on a live store they complete whenever the disk is done)."""
 
 from __future__ import annotations
 
 import tempfile
 from collections import Counter
 
+from concurrent.futures import Executor, Future
+
 import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.tune.traces import Trace
+
+
+class _Deferred(Future):
+    def result(self, timeout=None):
+        self.ex.run()
+        return super().result(timeout)
+
+
+class DeferredExecutor(Executor):
+    """``submit`` queues a job, run (in order) at :meth:`run` or when its result is asked for;
+    ``map`` runs at once (the store's own batched reads and writes)."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+
+    def submit(self, fn, /, *args, **kw):
+        f = _Deferred()
+        f.ex = self
+        self.queue.append((f, fn, args, kw))
+        return f
+
+    def map(self, fn, *its, timeout=None, chunksize=1):
+        return [fn(*a) for a in zip(*its)]
+
+    def run(self) -> None:
+        while self.queue:
+            f, fn, args, kw = self.queue.pop(0)
+            try:
+                Future.set_result(f, fn(*args, **kw))
+            except BaseException as e:  # noqa: BLE001
+                f.set_exception(e)
+
+    def shutdown(self, wait=True, **kw) -> None:
+        self.run()
 
 
 class _Clock:
@@ -42,8 +83,9 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
         hits = Counter()
         miss = Counter()
         prompt = replay_hits = 0
+        io = DeferredExecutor()
         with KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, clock=clock,
-                     metrics=StoreMetrics(port=None)) as store:
+                     metrics=StoreMetrics(port=None), io_executor=io) as store:
             store.wait_ready()  # the simulator has the whole DRAM capacity from the start
             for t, s, ks, pt, bt, rep in trace.requests():
                 clock.t = t
@@ -58,8 +100,10 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
                     miss[m.miss_reason] += (len(keys) - m.num_blocks) * bt if keys else pt
                 if m.num_blocks:
                     store.get(keys[: m.num_blocks], rows, session=f"s{s}")
+                    io.run()
                 if keys:
                     store.put(keys, rows)
+                    io.run()
             used = {t.name: t.used_bytes for t in store.tiers}
     p = prompt or 1
     return {"hit_rate": (hits["dram"] + hits["nvme"]) / p,

@@ -1,0 +1,99 @@
+"""The rules for moving blocks between tiers: pure functions, no I/O, no locks, the clock passed in.
+
+The live store (:mod:`kvstore.store`, :mod:`kvstore.demote`) and the tuner's simulator
+(:mod:`kvstore.tune.simulate`) both call these, so a simulated run follows the store's rules by
+construction (``kvstore tune --verify`` / :mod:`kvstore.tune.verify` checks the rest: the order
+of index calls).
+
+* **admit**: a block goes into the top tier unless a lower tier already holds it (or is writing
+  it): :func:`admit`.
+* **slots**: reserved entries get a free DRAM slot in order; the rest are skipped, never waited
+  for (``no_slot``): :func:`split_by_slots`. The index holds fewer blocks than there are slots
+  (:func:`dram_headroom`), so a step's stores find slots while the last step's victims are
+  still being written down.
+* **demote**: a DRAM victim (evicted for capacity or expired) is written down unless there is no
+  lower tier, the lower tier already holds it, or it is already past the lower tier's TTL
+  (counted from its last access); the lower copy keeps the upper recency: :func:`demote_action`.
+  Its slot stays taken (and the block servable from it) until the write is done.
+* **promote**: a lower-tier hit is copied up when a slot is free: :func:`promote`.
+* **miss reasons**: :func:`miss_reason`, and what a block that left is remembered as:
+  :func:`gone_reason`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, TypeVar
+
+T = TypeVar("T")
+
+MISS_REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "corrupt")
+
+# demote_action results
+DEMOTE = "demote"  # write it down, then free the slot
+ALREADY_LOWER = "already_lower"  # the lower tier holds (or is writing) it: free the slot now
+STALE = "stale"  # past the lower tier's TTL: not worth a write; remembered as expired
+NO_LOWER = "no_lower"  # nothing below: the block is gone (evicted / expired)
+
+
+def dram_headroom(n_slots: int, configured: int | str = "auto", *, has_lower: bool = True) -> int:
+    """DRAM slots held back from the index for victims still being written down: with ``H`` of
+    them, a step may store ``H`` blocks into a full DRAM while the last step's victims are still
+    on their way to NVMe, and none is skipped (``no_slot``). ``auto``: an eighth of the slots.
+    Never more than half of them (the index keeps the rest); none without a lower tier (a victim
+    frees its slot at once)."""
+    if n_slots < 2 or not has_lower:
+        return 0
+    h = max(1, n_slots // 8) if configured == "auto" else int(configured)
+    return min(h, n_slots // 2)
+
+
+def admit(lower_holds: bool) -> bool:
+    """Store a block in the upper tier? Not when a lower tier already holds (or writes) it."""
+    return not lower_holds
+
+
+def split_by_slots(entries: Sequence[T | None], free_slots: int) -> tuple[list[T | None], int]:
+    """The first ``free_slots`` reserved entries (non-None) keep their place; the others become
+    None (skipped: ``no_slot``). Returns (entries, how many were skipped)."""
+    out, skipped = [], 0
+    for e in entries:
+        if e is not None:
+            if free_slots > 0:
+                free_slots -= 1
+            else:
+                e, skipped = None, skipped + 1
+        out.append(e)
+    return out, skipped
+
+
+def demote_action(last_access: float, now: float, *, has_lower: bool, lower_holds: bool,
+                  lower_ttl: float | None) -> str:
+    """What to do with a victim of the upper tier (see the module doc)."""
+    if not has_lower:
+        return NO_LOWER
+    if lower_holds:
+        return ALREADY_LOWER
+    if lower_ttl is not None and last_access + lower_ttl <= now:
+        return STALE
+    return DEMOTE
+
+
+def promote(has_upper: bool) -> bool:
+    """Copy a lower-tier hit up (into a free slot; none free: read into the caller's buffer)."""
+    return has_upper
+
+
+def gone_reason(left_because: str) -> str:
+    """What a block that left every tier is remembered as (the miss reason it will give)."""
+    return left_because if left_because in ("expired", "corrupt") else "evicted"
+
+
+def miss_reason(*, expired: bool, remembered: str | None, at: int) -> str:
+    """Why the block at position ``at`` of a lookup is missing: still indexed but past its TTL,
+    else what was remembered when it left, else the prefix diverged (``at`` > 0) or it never
+    was stored."""
+    if expired:
+        return "expired"
+    if remembered is not None:
+        return remembered
+    return "diverged" if at > 0 else "never_stored"

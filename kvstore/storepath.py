@@ -1,0 +1,238 @@
+"""The store path of :class:`kvstore.store.KVStore`: ``put``, ``begin_store``/``end_store``, the
+reservations that feed demotion, write-through, and the writes down to NVMe.
+
+Nothing here waits on an NVMe write on the caller's thread when DRAM is on: DRAM victims are
+demoted on the I/O pool (:mod:`kvstore.demote`), a block with no free DRAM slot is skipped and
+counted (``kvstore_tier_skipped_blocks_total{tier="dram",reason="no_slot"}``; ``put`` writes
+those of its own blocks to NVMe instead), write-through copies run in the background. A store
+without DRAM writes NVMe in ``end_store``/``put`` (its only medium).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore import failpoints, placement
+from kvstore.handles import StoreHandle, _check_keys, _rows
+from kvstore.index import Entry
+from kvstore.tiers import Reservation
+
+log = logging.getLogger(__name__)
+
+
+class StorePath:
+    # -- reservations ----------------------------------------------------------------------------
+    def _reserve_dram(self, keys: Sequence[bytes]) -> Reservation:
+        """DRAM entries for ``keys``: victims go to the demoter first (those that need no write
+        free their slots at once), then free slots are attached; none free: skipped, counted."""
+        res = self.dram.begin_reserve(keys)
+        try:
+            self._demoter.take(res.victims)
+        except BaseException:
+            self.dram.abort(res)
+            raise
+        self.dram.attach(res)
+        if res.no_slot:
+            self.metrics.skipped.labels("dram", "no_slot").inc(res.no_slot)
+        return res
+
+    def _reserve_nvme(self, keys: Sequence[bytes], background: bool = False) -> Reservation:
+        """NVMe entries for ``keys``; its victims' files are removed here, or on the I/O pool
+        (``background``: a reservation made on the engine's thread, for a demotion)."""
+        nv = self.nvme
+        res = nv.begin_reserve(keys)
+        if res.victims:
+            self._count_evictions(nv, res.victims)
+            dram = self.dram
+            self._remember_gone([e for e in res.victims if dram is None or not
+                                 (dram.contains(e.key) or self._demoter.has(e.key))])
+            if background:
+                self._submit(nv.free, res.victims)
+            else:
+                nv.free(res.victims)
+        return nv.attach(res)
+
+    # -- I/O pool --------------------------------------------------------------------------------
+    def _submit(self, fn: Callable, *args) -> Future | None:
+        try:
+            f = self._io.submit(fn, *args)
+        except RuntimeError:  # the pool is shut down (close, interpreter exit): do it here
+            fn(*args)
+            return None
+        self._track(f)
+        return f
+
+    def _track(self, f: Future) -> None:
+        with self._pending_lock:
+            self._pending.add(f)
+        f.add_done_callback(self._untrack)
+
+    def _untrack(self, f: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(f)
+
+    def flush(self) -> None:
+        """Wait for background work: demotions, write-through copies, NVMe writes, prefetches."""
+        while True:
+            with self._pending_lock:
+                todo = list(self._pending)
+            if not todo:
+                return
+            for f in todo:
+                f.result()
+
+    def _run_io(self, fns: list[Callable[[], bool]]) -> list[bool]:
+        if not fns:
+            return []
+        if len(fns) == 1:
+            return [fns[0]()]
+        try:
+            return list(self._io.map(lambda f: f(), fns))
+        except RuntimeError:  # the pool is shut down (interpreter exit): do it here
+            return [f() for f in fns]
+
+    def _write_down(self, ne: Entry, e: Entry) -> bool:
+        """Write DRAM entry ``e`` (its slot held by the caller) to reserved NVMe entry ``ne`` and
+        commit it with the DRAM recency (its TTL counts from the last real access)."""
+        nv, ok = self.nvme, False
+        try:
+            failpoints.fire("demote.write", key=e.key)
+            ok = nv.write(ne, self.dram.slot_view(e))
+        except Exception as ex:  # never lost silently: counted below as a failed write
+            log.warning("kvstore: writing %s down to NVMe failed: %s", e.key.hex(), ex)
+        finally:
+            nv.commit([ne], [ok], at=e.last_access)
+        if ok:
+            self.metrics.demotions.inc()
+            self.metrics.bytes_in.labels("nvme").inc(self.block_bytes)
+        else:
+            self.metrics.failed.labels("nvme", "write").inc()
+            self._remember_gone([e])
+        return ok
+
+    # -- put -------------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks) -> int:
+        """Store blocks under keys. Returns how many were newly stored (present keys are skipped).
+        Never waits for a demotion or a DRAM slot; blocks that found no free slot are written to
+        NVMe by this call."""
+        self._check_open()
+        keys = _check_keys(keys)
+        rows = _rows(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
+        if self.dram is None:
+            return self._put_nvme(keys, rows) if self.nvme is not None else 0
+        h = self.begin_store(keys)
+        try:
+            for v, r in zip(h.views, rows):
+                if v is not None:
+                    np.copyto(v, r[: self.block_bytes], casting="no")
+        except BaseException:
+            self.end_store(h, False)
+            raise
+        n = self.end_store(h, True)
+        if self.nvme is not None:
+            # no DRAM slot (all held by demotions or pins): these blocks go straight to NVMe,
+            # written here (put's own blocks, with nowhere else to keep them; never a demotion)
+            rest = [j for j, e in enumerate(h.entries) if e is None and not self.dram.holds(keys[j])]
+            if rest:
+                n += self._put_nvme([keys[j] for j in rest], [rows[j] for j in rest])
+        return n
+
+    def _put_nvme(self, keys: list[bytes], rows: list[np.ndarray]) -> int:
+        h = StoreHandle(keys, list(self._reserve_nvme(keys)), [], self.nvme)
+        h.views = [r if e is not None else None for e, r in zip(h.entries, rows)]
+        return self.end_store(h, True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVStore is closed")
+
+    def begin_store(self, keys: Sequence[bytes]) -> StoreHandle:
+        """Reserve room for the keys not yet stored; returns writable views (None = skip: the key
+        is stored or being written, or no DRAM slot is free). Never waits on I/O."""
+        self._check_open()
+        keys = _check_keys(keys)
+        if self.dram is not None:
+            nv = self.nvme
+            want = [k for k in keys if placement.admit(nv is not None and nv.holds(k))]
+            # a repeated key is reserved once (its later copies get None): keep that entry,
+            # never overwrite it with a later None (it would stay WRITING and pinned forever)
+            got = {k: e for k, e in zip(want, self._reserve_dram(want)) if e is not None} if want else {}
+            entries = [got.pop(k, None) for k in keys]
+            views = [self.dram.view(e) if e is not None else None for e in entries]
+            return StoreHandle(keys, entries, views, self.dram)
+        if self.nvme is not None:
+            # NVMe-only store: stage in private buffers, written at end_store
+            entries = list(self._reserve_nvme(keys))
+            views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
+            return StoreHandle(keys, entries, views, self.nvme)
+        return StoreHandle(keys, [None] * len(keys), [None] * len(keys), None)
+
+    def end_store(self, h: StoreHandle, ok: bool | Sequence[bool] = True) -> int:
+        """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored."""
+        if h.done:
+            raise RuntimeError("end_store called twice for one handle")
+        h.done = True
+        oks = [ok] * len(h.keys) if isinstance(ok, (bool, np.bool_)) else list(ok)
+        if len(oks) != len(h.keys):
+            if h.tier is not None:
+                h.tier.abort(h.entries)
+            raise ValueError(f"end_store: {len(oks)} results for {len(h.keys)} keys (nothing was stored)")
+        oks = [bool(o) and e is not None for o, e in zip(oks, h.entries)]
+        tier = h.tier
+        if tier is None:
+            return 0
+        if tier is self.nvme:
+            jobs = [(i, e, v) for i, (e, v) in enumerate(zip(h.entries, h.views)) if e is not None and oks[i]]
+            res = self._run_io([lambda e=e, v=v: self.nvme.write(e, v) for _, e, v in jobs])
+            for (i, _, _), r in zip(jobs, res):
+                oks[i] = r
+            fails = len(jobs) - sum(res)
+            if fails:
+                self.metrics.failed.labels("nvme", "write").inc(fails)
+        tier.commit(h.entries, oks)
+        n = sum(oks)
+        stored = [k for k, o in zip(h.keys, oks) if o]
+        self._forget_gone(stored)
+        self.metrics.bytes_in.labels(tier.name).inc(n * self.block_bytes)
+        self.metrics.put_latency.labels(tier.name).observe(time.perf_counter() - h.started)
+        if n and self.write_through and tier is self.dram and self.nvme is not None:
+            h.background = self._write_through(stored)
+        self._update_gauges()
+        return n
+
+    def _write_through(self, keys: list[bytes]) -> list[Future]:
+        """Copy freshly stored DRAM blocks to NVMe in the background (DRAM slots pinned meanwhile)."""
+        dram, nv = self.dram, self.nvme
+        dentries = dram.acquire(keys, touch=False)
+        nentries = self._reserve_nvme(keys)
+
+        def job(de: Entry | None, ne: Entry | None) -> bool:
+            try:
+                ok = False
+                try:
+                    ok = ne is not None and de is not None and nv.write(ne, dram.slot_view(de))
+                finally:
+                    if ne is not None:
+                        nv.commit([ne], [ok])
+                if ok:
+                    self.metrics.bytes_in.labels("nvme").inc(self.block_bytes)
+                elif ne is not None:
+                    self.metrics.failed.labels("nvme", "write").inc()
+                return ok
+            finally:
+                if de is not None:
+                    dram.release([de])
+
+        futures = []
+        for de, ne in zip(dentries, nentries):
+            if de is None and ne is None:
+                continue
+            f = self._submit(job, de, ne)
+            if f is not None:
+                futures.append(f)
+        return futures
