@@ -15,7 +15,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test bench clean
+.PHONY: install test bench clean redis-server
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,16 @@ $(STAMP): $(VPY) $(SOURCES)
 
 install: $(STAMP)
 
-test: $(STAMP)
+# the remote tier's tests start their own redis-server processes (loopback ports, temp folders)
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (Debian package) for the remote tier's tests"; \
+		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q redis-server >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null; }; \
+		else sudo -n apt-get install -y -q redis-server >/dev/null; fi; } || \
+		echo "WARNING: could not install redis-server: the remote tier's tests will be skipped"
+
+test: $(STAMP) redis-server
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)

@@ -3,8 +3,9 @@
 Schema (public; the tuner writes it, the connector reads it)::
 
     tiers:
-      dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory}
+      dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory, headroom_blocks}
       nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header}
+      remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads}
     metrics: {port}
     trace_path: null
@@ -36,6 +37,7 @@ CODECS = ("none", "int8", "fp8", "zstd", "int8+zstd", "fp8+zstd")
 O_DIRECT_CHOICES = ("auto", True, False)
 WRITE_MODES = ("write_back", "write_through")
 PIN_CHOICES = ("auto", True, False)
+REMOTE_WRITE_MODES = ("write_through",)  # write-back to a shared tier: not built (see RemoteConfig)
 HEADER_CHOICES = ("auto", "xattr", "inline")
 
 
@@ -141,9 +143,35 @@ class NvmeConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """A tier shared by every engine, on Redis or Valkey (issue 14); off while ``url`` is null.
+
+    ``url``: ``redis://host:port[/db]`` or ``rediss://`` (TLS); with ``cluster: true`` one url or
+    a list of seed nodes. Credentials only from the environment (``KVSTORE_REDIS_USERNAME``,
+    ``KVSTORE_REDIS_PASSWORD``), never here. ``ttl_s``: idle TTL (SET EX, refreshed by GETEX on a
+    hit), so Redis's ``volatile-lru`` can evict under ``maxmemory``. ``write_mode``:
+    write-through only (sharing needs a block there before DRAM evicts it). ``timeout_ms``: a
+    slower answer is a miss."""
+
+    url: Any = None
+    cluster: bool = False
+    ttl_s: float | None = 86400.0
+    codec: str = "none"
+    zstd_level: int = 3
+    write_mode: str = "write_through"
+    timeout_ms: int = 200
+    io_threads: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     dram: DramConfig = field(default_factory=DramConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
 
 @dataclass(frozen=True)
@@ -227,6 +255,44 @@ def _nvme(d: Mapping) -> NvmeConfig:
     )
 
 
+def _remote_url(key: str, v: Any, cluster: bool):
+    urls = v if isinstance(v, list) else [v]
+    if v is None:
+        return None
+    if not urls or (isinstance(v, list) and not cluster and len(urls) != 1):
+        raise ConfigError(key, v, "one redis:// or rediss:// url (a list of seed nodes only with cluster: true)")
+    for u in urls:
+        if isinstance(u, str) and "@" in u:
+            raise ConfigError(key, "<a url with credentials>", "a url without credentials: they come from the "
+                              "environment only (KVSTORE_REDIS_USERNAME, KVSTORE_REDIS_PASSWORD)")
+        if not isinstance(u, str) or not u.startswith(("redis://", "rediss://")) or len(u) <= len("rediss://"):
+            raise ConfigError(key, u,
+                              "redis://host:port[/db] or rediss://host:port[/db] (a list with cluster: true), or null")
+    return list(urls) if isinstance(v, list) else v
+
+
+def _remote(d: Mapping) -> RemoteConfig:
+    p = "tiers.remote"
+    if isinstance(d, Mapping):
+        for k in d:
+            if isinstance(k, str) and any(w in k.lower() for w in ("pass", "user", "auth", "token", "secret")):
+                raise ConfigError(f"{p}.{k}", "<not shown>", "no credentials in the config: set "
+                                  "KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD in the environment")
+    _check_keys(p, d, RemoteConfig)
+    base = RemoteConfig()
+    cluster = _choice(f"{p}.cluster", d.get("cluster", base.cluster), (True, False))
+    return RemoteConfig(
+        url=_remote_url(f"{p}.url", d.get("url", base.url), cluster),
+        cluster=cluster,
+        ttl_s=_number(f"{p}.ttl_s", d.get("ttl_s", base.ttl_s), allow_none=True),
+        codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
+        zstd_level=_int(f"{p}.zstd_level", d.get("zstd_level", base.zstd_level), minimum=1, maximum=19),
+        write_mode=_choice(f"{p}.write_mode", d.get("write_mode", base.write_mode), REMOTE_WRITE_MODES),
+        timeout_ms=_int(f"{p}.timeout_ms", d.get("timeout_ms", base.timeout_ms), minimum=1, maximum=60_000),
+        io_threads=_int(f"{p}.io_threads", d.get("io_threads", base.io_threads), minimum=1, maximum=64),
+    )
+
+
 def _section(data: Mapping, name: str):
     """A nested section; null means empty (anything else that is not a mapping is refused later)."""
     v = data.get(name)
@@ -247,7 +313,8 @@ def from_dict(data: Mapping | None) -> StoreConfig:
     if trace is not None and (not isinstance(trace, str) or not trace.strip()):
         raise ConfigError("trace_path", trace, "a file path (string) or null")
     return StoreConfig(
-        tiers=TiersConfig(dram=_dram(_section(tiers, "dram")), nvme=_nvme(_section(tiers, "nvme"))),
+        tiers=TiersConfig(dram=_dram(_section(tiers, "dram")), nvme=_nvme(_section(tiers, "nvme")),
+                          remote=_remote(_section(tiers, "remote"))),
         io=IoConfig(async_saves=_choice("io.async_saves", io.get("async_saves", True), (True, False)),
                     async_loads=_choice("io.async_loads", io.get("async_loads", True), (True, False))),
         metrics=MetricsConfig(port=_int("metrics.port", metrics.get("port"), minimum=1, maximum=65535, allow_none=True)),

@@ -14,7 +14,7 @@ from kvstore.tiers import Tier
 
 class PrefixMatch(NamedTuple):
     num_blocks: int
-    tiers: tuple[str, ...]  # where each matched block is ("dram" or "nvme")
+    tiers: tuple[str, ...]  # where each matched block is ("dram", "nvme" or "remote")
     miss_reason: str | None  # why block ``num_blocks`` is missing; None if all matched
 
 
@@ -43,6 +43,7 @@ class LoadHandle:
     entries: list[Entry | None]  # pinned DRAM entries (None for a block read into a private buffer)
     tier_of: list[str]
     unread: dict[int, Entry] = field(default_factory=dict)
+    unread_remote: list[int] = field(default_factory=list)  # blocks to read from the remote tier
     read: bool = False
     started: float = field(default_factory=time.perf_counter)
     done: bool = False

@@ -88,22 +88,37 @@ class LoadPath:
         if nv is not None:
             nv.release(nentries[n:])
             nv.touch(nentries[:n], session)
-        h = LoadHandle(keys, n, [None] * n, list(dentries[:n]),
-                       ["dram" if dentries[i] is not None else "nvme" for i in range(n)])
+        m = self._remote_extend(keys, n)  # the shared tier, past the local prefix (not pinned)
+        h = LoadHandle(keys, n + m, [None] * (n + m), list(dentries[:n]) + [None] * m,
+                       ["dram" if dentries[i] is not None else "nvme" for i in range(n)] + ["remote"] * m)
         for i in range(n):
             if dentries[i] is not None:
                 h.views[i] = dram.view(dentries[i])
             else:
                 h.unread[i] = nentries[i]
+        h.unread_remote = list(range(n, n + m))
         return h
 
     def _read_pinned(self, h: LoadHandle, outs: list[np.ndarray] | None) -> None:
         if h.read:
             return
         h.read = True
-        if not h.unread:
-            self.metrics.bytes_out.labels("dram").inc(h.num_blocks * self.block_bytes)
-            return
+        if h.unread:
+            self._read_nvme(h, outs)
+        else:
+            self.metrics.bytes_out.labels("dram").inc(sum(1 for t in h.tier_of if t == "dram") * self.block_bytes)
+        idx = [i for i in h.unread_remote if i < h.num_blocks]  # past a failed NVMe read: not needed
+        h.unread_remote = []
+        if idx:
+            got = self._read_remote([h.keys[i] for i in idx], [outs[i] for i in idx] if outs is not None else None)
+            for i, (v, de, _) in zip(idx, got):
+                h.views[i], h.entries[i] = v, de
+            bad = next((j for j, (_, _, ok) in enumerate(got) if not ok), None)
+            if bad is not None:  # gone (Redis evicted it), corrupt, or the server failed: a miss
+                self.metrics.failed.labels("remote", "read").inc(1)
+                self._cut(h, idx[bad])
+
+    def _read_nvme(self, h: LoadHandle, outs: list[np.ndarray] | None) -> None:
         t0 = time.perf_counter()
         dram = self.dram
         nv_idx = sorted(h.unread)
@@ -133,6 +148,7 @@ class LoadPath:
         if h.unread and self.nvme is not None:
             self.nvme.release([h.unread.pop(i) for i in sorted(h.unread) if i >= cut])
         h.views, h.entries, h.tier_of, h.num_blocks = h.views[:cut], h.entries[:cut], h.tier_of[:cut], cut
+        h.unread_remote = [i for i in h.unread_remote if i < cut]
 
     def _release_dram(self, entries) -> None:
         """Unpin DRAM entries: those of blocks being demoted through the demoter, the rest here."""
@@ -189,7 +205,7 @@ class LoadPath:
         """Start promoting the leading NVMe blocks of ``keys`` into DRAM; resolves to the count."""
         self._check_open()
         keys = _check_keys(keys)
-        if self.dram is None or self.nvme is None:  # nowhere to promote into (or from): nothing to do
+        if self.dram is None or (self.nvme is None and self.remote is None):  # nowhere to promote into or from
             f: Future = Future()
             f.set_result(0)
             return f
@@ -198,7 +214,7 @@ class LoadPath:
             h = self._pin(keys, None, failpoint=False)
             try:
                 self._read_pinned(h, None)
-                return sum(1 for t in h.tier_of if t == "nvme")
+                return sum(1 for t in h.tier_of if t != "dram")
             finally:
                 self.end_load(h)
 

@@ -20,7 +20,7 @@ from prometheus_client.exposition import generate_latest
 from kvstore.placement import MISS_REASONS  # noqa: F401 (re-exported; the rules module owns them)
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-TIERS = ("dram", "nvme")  # the tier label's values
+TIERS = ("dram", "nvme", "remote")  # the tier label's values
 
 
 class StoreMetrics:
@@ -59,6 +59,9 @@ class StoreMetrics:
         self.skipped = Counter("kvstore_tier_skipped_blocks", "Blocks not stored in a tier, by reason (no_slot: "
                                "every free DRAM slot held by a demotion in flight or a pin; never waited for)",
                                ["tier", "reason"], registry=r)
+        self.remote_up = Gauge("kvstore_remote_up", "1 while the remote tier (Redis / Valkey) answers, 0 while "
+                               "it is in backoff after a failure (its lookups and loads miss meanwhile)",
+                               registry=r)
         self.demoting = Gauge("kvstore_demoting_blocks", "DRAM blocks being written down to NVMe (each still "
                               "holds its slot and is served from it)", registry=r)
         self.failed = Counter("kvstore_tier_errors", "Block writes or reads that failed, by tier and op",

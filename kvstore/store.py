@@ -42,6 +42,7 @@ from kvstore.keys import ModelFingerprint, root_of
 from kvstore.loadpath import LoadPath
 from kvstore.metrics import StoreMetrics
 from kvstore.metricsglue import MetricsGlue
+from kvstore.remotepath import RemotePath
 from kvstore.storepath import StorePath
 from kvstore.tiers import DramTier, NvmeTier, Tier
 
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = ["KVStore", "PrefixMatch", "StoreHandle", "LoadHandle"]
 
 
-class KVStore(StorePath, LoadPath, MetricsGlue):
+class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
     def __init__(
         self,
         config: StoreConfig | None = None,
@@ -127,6 +128,13 @@ class KVStore(StorePath, LoadPath, MetricsGlue):
         self._corrupt_synced: dict[str, int] = {}
         self._closed = False
         self._demoter = Demoter(self)
+        self.remote = None  # the shared tier (Redis / Valkey): consulted after the local ones
+        if self.config.tiers.remote.enabled:
+            try:
+                self._open_remote(self.config.tiers.remote, fingerprint, kv_dtype, group_elems)
+            except BaseException:
+                self.close(persist=False)
+                raise
         self.metrics.demoting.set_function(lambda: len(self._demoter))
         for t in self.tiers:
             # read at scrape time: a full disk lowers NVMe's, DRAM's grows as its pool is prepared
@@ -162,6 +170,9 @@ class KVStore(StorePath, LoadPath, MetricsGlue):
                 break
             tiers.append(t)
         n = len(tiers)
+        m = self._remote_extend(keys, n)
+        tiers += ["remote"] * m
+        n += m
         reason = None
         if not keys:
             reason = "below_min"
@@ -280,6 +291,8 @@ class KVStore(StorePath, LoadPath, MetricsGlue):
             self._io.shutdown(wait=True)
             for t in self.tiers:
                 t.close()
+            if self.remote is not None:
+                self.remote.close()
             self.metrics.close()
             if self._tmpdir is not None:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)

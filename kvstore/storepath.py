@@ -202,6 +202,11 @@ class StorePath:
         self.metrics.put_latency.labels(tier.name).observe(time.perf_counter() - h.started)
         if n and self.write_through and tier is self.dram and self.nvme is not None:
             h.background = self._write_through(stored)
+        if n and self.remote is not None:  # shared as soon as stored (write-through)
+            if tier is self.dram:
+                self._remote_write_through(stored)
+            else:
+                self._remote_write_through(stored, views=[v for v, o in zip(h.views, oks) if o])
         self._update_gauges()
         return n
 

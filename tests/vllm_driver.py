@@ -25,6 +25,8 @@ def main() -> None:
 
     extra = {"tiers": {"dram": {"capacity_gb": job.get("dram_gb", 0.05), "ttl_s": None},
                        "nvme": {"path": job["store"], "capacity_gb": job.get("nvme_gb", 1), "ttl_s": None}}}
+    if job.get("remote"):  # the shared tier (credentials from KVSTORE_REDIS_PASSWORD in the environment)
+        extra["tiers"]["remote"] = job["remote"]
     ktc = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if job.get("module_path"):
         ktc["kv_connector_module_path"] = "connectors.vllm.connector"
@@ -41,7 +43,12 @@ def main() -> None:
     from kvstore.offload import shared as shared_mod
 
     for sh in shared_mod.live():  # in-process mode: the connector's counters
-        counters = {**sh.metrics.summary(), "nvme": sh.store.stats()["tiers"].get("nvme", {})}
+        m = sh.store.metrics
+        counters = {**sh.metrics.summary(), "nvme": sh.store.stats()["tiers"].get("nvme", {}),
+                    "remote_read_bytes": m.value("kvstore_tier_read_bytes_total", tier="remote"),
+                    "remote_written_bytes": m.value("kvstore_tier_written_bytes_total", tier="remote"),
+                    "served_remote_tokens": sh.metrics.registry.get_sample_value(
+                        "kvstore_engine_served_tokens_total", {"tier": "remote"}) or 0.0}
     print("RESULT " + json.dumps({"rounds": rounds, "counters": counters}), flush=True)
     llm.llm_engine.engine_core.shutdown()
 

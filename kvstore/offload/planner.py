@@ -202,7 +202,7 @@ class Planner:
         st.load_async = self.async_loads and any(t != "dram" for t in m.tiers[skip:m.num_blocks])
         if self.async_loads:
             return max(0, m.num_blocks * self.bs - num_computed)
-        if self.prefetch_enabled and st.prefetch is None and "nvme" in m.tiers[skip:]:
+        if self.prefetch_enabled and st.prefetch is None and any(t != "dram" for t in m.tiers[skip:]):
             st.prefetch = self.client.prefetch(keys[skip: m.num_blocks])
             return None
         hit = m.num_blocks * self.bs

@@ -1,0 +1,195 @@
+"""The remote tier inside the store (issue 14): two stores with their own DRAM and NVMe folders share
+one real Redis (a password-protected single server, and a 3-master cluster); what one stores, the
+other hits, byte for byte, and promotes into its DRAM. Faults: the server killed and restarted,
+keys evicted between lookup and load, corrupt values, a wrong password."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.config import ConfigError, from_dict
+from kvstore.keys import ModelFingerprint
+from kvstore.store import KVStore
+
+from conftest import BLOCK, blocks_for, dram_gb, make_keys, nvme_gb
+from redis_servers import redis_cluster, redis_launcher, redis_single  # noqa: F401
+
+FP = ModelFingerprint(model="remote-store", block_size=16)
+
+
+def _store(tmp_path, name, server, *, dram=8, nvme=16, monkeypatch=None, **remote):
+    if monkeypatch is not None:
+        monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", server.password or "")
+    cfg = from_dict({"tiers": {
+        "dram": {"capacity_gb": dram_gb(dram), "pin_memory": False, "ttl_s": None},
+        "nvme": {"path": str(tmp_path / name), "capacity_gb": nvme_gb(nvme), "ttl_s": None},
+        "remote": {"url": server.url, "cluster": isinstance(server.url, list), "timeout_ms": 500, **remote}}})
+    s = KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=16)
+    if s.remote is not None:
+        s.remote._backoff = (0.05, 0.2)  # tests wait for the backoff: keep it short
+    return s
+
+
+def M(s, name, **labels):
+    return s.metrics.value(name, **labels)
+
+
+@pytest.fixture(params=["single", "cluster"])
+def server(request, redis_single, redis_cluster):  # noqa: F811
+    return redis_single if request.param == "single" else redis_cluster
+
+
+def test_one_store_writes_the_other_hits(tmp_path, server, monkeypatch):
+    keys = make_keys(12, seed=hash(str(server.url)) % 1000)
+    a = _store(tmp_path, "a", server, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", server)
+    try:
+        assert a.put(keys, blocks_for(keys)) == 12
+        a.flush()  # write-through runs on the I/O pool
+        assert M(a, "kvstore_tier_written_bytes_total", tier="remote") == 12 * BLOCK
+        m = b.contains_prefix(keys)
+        assert m.num_blocks == 12 and set(m.tiers) == {"remote"}
+        out = np.zeros((12, BLOCK), np.uint8)
+        assert b.get(keys, out) == 12
+        assert np.array_equal(out, blocks_for(keys))
+        # promoted into b's DRAM (8 slots: the head of the chain stays, the rest went to NVMe)
+        assert b.contains_prefix(keys[:1]).tiers == ("dram",)
+        assert M(b, "kvstore_tier_read_bytes_total", tier="remote") == 12 * BLOCK
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lookup_continues_past_the_local_tiers(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    keys = make_keys(6, seed=3)
+    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", redis_single)
+    try:
+        a.put(keys, blocks_for(keys))
+        a.flush()
+        b.put(keys[:2], blocks_for(keys[:2]))  # b computed the first two itself
+        assert b.contains_prefix(keys).tiers == ("dram", "dram", "remote", "remote", "remote", "remote")
+        out = np.zeros((6, BLOCK), np.uint8)
+        assert b.get(keys, out) == 6 and np.array_equal(out, blocks_for(keys))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_keys_evicted_between_lookup_and_load_are_a_miss(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    keys = make_keys(6, seed=4)
+    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", redis_single)
+    try:
+        a.put(keys, blocks_for(keys))
+        a.flush()
+        h = b.pin_load(keys)  # the scheduler's side: 6 remote blocks promised
+        assert h.num_blocks == 6 and set(h.tier_of) == {"remote"}
+        redis_single.client().delete(a.remote.redis_key(keys[3]))  # Redis evicts one meanwhile
+        assert b.read_load(h) == 3  # the prefix ends there: blocks 3.. are recomputed
+        assert all(np.array_equal(v, x) for v, x in zip(h.views, blocks_for(keys[:3])))
+        b.end_load(h)
+        assert M(b, "kvstore_tier_errors_total", tier="remote", op="read") == 1
+        # nothing stored for the lost block; what b holds past it (read whole in the same
+        # pipeline, promoted) is the right bytes, unreachable until block 3 is stored again
+        assert b.contains_prefix(keys).num_blocks == 3 and not b.dram.contains(keys[3])
+        for k in keys[4:]:
+            if b.dram.contains(k):
+                one = np.zeros((1, BLOCK), np.uint8)
+                assert b.dram.get([k], one) == [True] and np.array_equal(one[0], blocks_for([k])[0])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_corrupt_values_are_counted_misses_and_deleted(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    keys = make_keys(3, seed=5)
+    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", redis_single)
+    try:
+        a.put(keys, blocks_for(keys))
+        a.flush()
+        c = redis_single.client()
+        name = a.remote.redis_key(keys[1])
+        v = bytearray(c.get(name))
+        v[-1] ^= 0xFF  # one payload byte
+        c.set(name, bytes(v))
+        out = np.zeros((3, BLOCK), np.uint8)
+        assert b.get(keys, out) == 1 and np.array_equal(out[0], blocks_for(keys[:1])[0])
+        assert M(b, "kvstore_corrupt_files_total", tier="remote", reason="checksum") == 1
+        assert c.exists(name) == 0  # deleted: the next engine computes and stores it again
+    finally:
+        a.close()
+        b.close()
+
+
+def test_server_killed_is_a_miss_and_hits_resume_after_restart(tmp_path, redis_launcher, monkeypatch):  # noqa: F811
+    srv = redis_launcher.single(password="pw-kill")
+    keys = make_keys(4, seed=6)
+    a = _store(tmp_path, "a", srv, monkeypatch=monkeypatch, timeout_ms=200)
+    b = _store(tmp_path, "b", srv)
+    try:
+        srv.kill()
+        # a stores anyway (locally), b misses: no exception anywhere
+        assert a.put(keys, blocks_for(keys)) == 4
+        a.flush()
+        assert b.contains_prefix(keys).num_blocks == 0
+        out = np.zeros((4, BLOCK), np.uint8)
+        assert b.get(keys, out) == 0
+        assert M(b, "kvstore_remote_up") == 0
+        srv.restart()  # empty (no persistence): what a stores next is shared again
+        keys2 = make_keys(4, seed=16)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not a.remote.available:
+            time.sleep(0.05)  # a's backoff
+        assert a.put(keys2, blocks_for(keys2)) == 4
+        a.flush()
+        while time.monotonic() < deadline and b.contains_prefix(keys2).num_blocks < 4:
+            time.sleep(0.05)  # b's backoff
+        assert b.get(keys2, out) == 4 and np.array_equal(out, blocks_for(keys2))
+        assert M(b, "kvstore_remote_up") == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_wrong_password_is_a_clear_error_at_start_up(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    from kvstore.tiers.remote import RemoteAuthError
+
+    monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", "not-the-password-xyz")
+    with pytest.raises(RemoteAuthError) as ei:
+        _store(tmp_path, "a", redis_single)
+    assert "KVSTORE_REDIS_PASSWORD" in str(ei.value) and "not-the-password-xyz" not in str(ei.value)
+    monkeypatch.delenv("KVSTORE_REDIS_PASSWORD")
+    with pytest.raises(RemoteAuthError):
+        _store(tmp_path, "b", redis_single)
+
+
+def test_an_unreachable_server_at_start_up_degrades_to_the_local_tiers(tmp_path, redis_launcher):  # noqa: F811
+    srv = redis_launcher.single()
+    srv.stop()
+    s = _store(tmp_path, "a", srv, timeout_ms=100)
+    try:
+        keys = make_keys(3, seed=7)
+        assert s.put(keys, blocks_for(keys)) == 3
+        s.flush()
+        assert s.contains_prefix(keys).tiers == ("dram",) * 3
+        assert M(s, "kvstore_remote_up") == 0
+    finally:
+        s.close()
+
+
+def test_credentials_never_in_the_config():
+    with pytest.raises(ConfigError, match="KVSTORE_REDIS_PASSWORD") as ei:
+        from_dict({"tiers": {"remote": {"url": "redis://user:hunter2@127.0.0.1:6379"}}})
+    assert "hunter2" not in str(ei.value)
+    with pytest.raises(ConfigError, match="tiers.remote.password") as ei:
+        from_dict({"tiers": {"remote": {"password": "hunter2"}}})
+    assert "hunter2" not in str(ei.value)
+    with pytest.raises(ConfigError, match="tiers.remote.write_mode"):
+        from_dict({"tiers": {"remote": {"url": "redis://h:1", "write_mode": "write_back"}}})
+    with pytest.raises(ConfigError, match="cluster: true"):
+        from_dict({"tiers": {"remote": {"url": ["redis://a:1", "redis://b:1"]}}})
