@@ -30,6 +30,7 @@ class StoreHandle:
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
     background: list = field(default_factory=list)  # write-through futures (see flush)
+    remote_only: bool = False  # a store without local tiers: views are written to Redis at end_store
 
 
 @dataclass

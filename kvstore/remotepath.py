@@ -141,6 +141,22 @@ class RemotePath:
         if keys:
             self._submit(job)
 
+    def _end_store_remote(self, h, oks: list) -> int:
+        """End a remote-only store: write its staged blocks (one pipeline). Returns blocks stored."""
+        idx = [i for i, (v, o) in enumerate(zip(h.views, oks)) if v is not None and o]
+        if not idx:
+            return 0
+        t0 = time.perf_counter()
+        res = self.remote.put([h.keys[i] for i in idx], [h.views[i] for i in idx])
+        n = sum(res)
+        self.metrics.bytes_in.labels("remote").inc(n * self.block_bytes)
+        if len(res) - n:
+            self.metrics.failed.labels("remote", "write").inc(len(res) - n)
+        self.metrics.put_latency.labels("remote").observe(time.perf_counter() - t0)
+        self._forget_gone([h.keys[i] for i, r in zip(idx, res) if r])
+        self._sync_remote_metrics()
+        return n
+
     # -- metrics ---------------------------------------------------------------------------------
     def _sync_remote_metrics(self) -> None:
         """Bring the Prometheus counters up to the remote tier's own counts (cheap when unchanged)."""

@@ -123,8 +123,14 @@ class StorePath:
         self._check_open()
         keys = _check_keys(keys)
         rows = _rows(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
+        if self.dram is None and self.nvme is None:  # remote only (or nothing)
+            h = self.begin_store(keys)
+            for v, r in zip(h.views, rows):
+                if v is not None:
+                    np.copyto(v, r[: self.block_bytes], casting="no")
+            return self.end_store(h, True)
         if self.dram is None:
-            return self._put_nvme(keys, rows) if self.nvme is not None else 0
+            return self._put_nvme(keys, rows)
         h = self.begin_store(keys)
         try:
             for v, r in zip(h.views, rows):
@@ -170,7 +176,17 @@ class StorePath:
             entries = list(self._reserve_nvme(keys))
             views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
             return StoreHandle(keys, entries, views, self.nvme)
-        return StoreHandle(keys, [None] * len(keys), [None] * len(keys), None)
+        h = StoreHandle(keys, [None] * len(keys), [None] * len(keys), None)
+        if self.remote is not None:
+            # remote-only store: stage in private buffers, written at end_store (one pipeline);
+            # blocks the remote tier already holds (one pipeline to ask) and repeats are skipped
+            seen = set()
+            for i, (k, there) in enumerate(zip(keys, self.remote.exists(keys))):
+                if not there and k not in seen:
+                    seen.add(k)
+                    h.views[i] = np.empty(self.block_bytes, np.uint8)
+            h.remote_only = True
+        return h
 
     def end_store(self, h: StoreHandle, ok: bool | Sequence[bool] = True) -> int:
         """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored."""
@@ -182,6 +198,8 @@ class StorePath:
             if h.tier is not None:
                 h.tier.abort(h.entries)
             raise ValueError(f"end_store: {len(oks)} results for {len(h.keys)} keys (nothing was stored)")
+        if h.remote_only:
+            return self._end_store_remote(h, oks)
         oks = [bool(o) and e is not None for o, e in zip(oks, h.entries)]
         tier = h.tier
         if tier is None:
