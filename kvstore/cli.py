@@ -25,13 +25,28 @@ def _bench(argv: list[str]) -> int:
 
 
 def _inspect(argv: list[str]) -> int:
-    from kvstore.inspect import inspect_folder, render
-
-    p = argparse.ArgumentParser(prog="kvstore inspect", description="What an NVMe tier folder holds.")
-    p.add_argument("dir", help="the tier's path (the folder named in tiers.nvme.path)")
+    p = argparse.ArgumentParser(prog="kvstore inspect", description="What an NVMe tier folder, or the shared "
+                                "remote tier (redis:// or rediss:// url), holds; read-only, from headers only. "
+                                "Remote credentials come from KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD "
+                                "(a url that carries them is refused).")
+    p.add_argument("dir", metavar="DIR|URL", help="the tier's path (the folder named in tiers.nvme.path), or "
+                   "redis://host:port[/db] (rediss:// for TLS; with --cluster, seeds comma-separated)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--cluster", action="store_true", help="the url is a Redis Cluster seed (or several, "
+                   "comma-separated); every master is scanned")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="remote: stop after N values "
+                   "(default: all)")
     a = p.parse_args(argv)
-    info = inspect_folder(a.dir)
+    if a.dir.startswith(("redis://", "rediss://")):
+        from kvstore.inspect_remote import inspect_remote, render
+
+        info = inspect_remote(a.dir, cluster=a.cluster, limit=a.limit)
+    else:
+        from kvstore.inspect import inspect_folder, render
+
+        if a.cluster or a.limit is not None:
+            p.error("--cluster and --limit apply to a redis:// or rediss:// url")
+        info = inspect_folder(a.dir)
     print(json.dumps(info, indent=2) if a.json else render(info))
     return 0
 
@@ -84,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               "  bench copy       gather/scatter copy kernels vs memcpy (and PCIe on a GPU)\n"
               "  bench faults     crash/corruption/fuzz/disk-full/sharing/churn/bad-input suite (--quick)\n"
               "  tune --trace T   replay a trace over TTL/capacity settings, recommend a config\n"
-              "  inspect DIR      what an NVMe tier folder holds (--json)\n"
+              "  inspect DIR|URL  what an NVMe tier folder or a redis:// remote tier holds (--json)\n"
               "  stats            hit rates and miss reasons of a running store (--url)\n"
               "  config [PATH]    validate a config file and print it resolved", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
