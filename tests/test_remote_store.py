@@ -193,3 +193,21 @@ def test_credentials_never_in_the_config():
         from_dict({"tiers": {"remote": {"url": "redis://h:1", "write_mode": "write_back"}}})
     with pytest.raises(ConfigError, match="cluster: true"):
         from_dict({"tiers": {"remote": {"url": ["redis://a:1", "redis://b:1"]}}})
+
+
+def test_prefetch_promotes_remote_blocks_into_dram(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    """The first design's path (io.async_loads false): the scheduler prefetches a remote prefix
+    into DRAM and answers "ask again"; the next lookup is a DRAM hit."""
+    keys = make_keys(5, seed=8)
+    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", redis_single)
+    try:
+        a.put(keys, blocks_for(keys))
+        a.flush()
+        assert b.prefetch(keys).result(timeout=30) == 5
+        assert b.contains_prefix(keys).tiers == ("dram",) * 5
+        out = np.zeros((5, BLOCK), np.uint8)
+        assert b.get(keys, out) == 5 and np.array_equal(out, blocks_for(keys))
+    finally:
+        a.close()
+        b.close()
