@@ -55,7 +55,8 @@ def test_both_designs_give_vllms_outputs(tiny_model, tmp_path, design):
         jobs = e.shared.jobs
         assert (jobs is not None) == (design == "async")
         if jobs is not None:
-            assert jobs.counts["stores"] >= 2 and jobs.counts["loads"] == 0  # DRAM hits stay synchronous
+            # the prompts were stored in one step (the hits are never offered again); DRAM hits stay synchronous
+            assert jobs.counts["stores"] >= 1 and jobs.counts["loads"] == 0
     with Engine(tiny_model, store, extra=extra) as e:  # empty DRAM: NVMe hits, with another request beside
         out, cached = e.generate(prompts + [other])
         assert out == ref and cached == [288, 640, 0]

@@ -112,8 +112,9 @@ def test_failed_load_rolls_the_saved_mark_back_and_the_blocks_are_stored_again()
     ids = list(range(100, 108))
     plan = p.build_step([("a", ids, 24)], [], {"a": 6})
     assert [(lp.block_ids, lp.first) for lp in plan.loads] == [(ids[:6], 0)]
-    # this step's store covers blocks 0..6; with a load in the step it carries the table before it
-    assert [(s.start, s.block_ids) for s in plan.stores] == [(0, ids[:7])]
+    # this step stores block 6 only (0..5 were found in the store: never offered again); with a
+    # load in the step it carries the table before it, so a failed load drops it
+    assert [(s.start, s.block_ids, s.prior_ids) for s in plan.stores] == [(6, ids[6:7], ids[:6])]
     assert st.saved_blocks == 7
     # the worker reported block 102 bad: vLLM truncates num_computed_tokens to 2 blocks and reschedules
     plan = p.build_step([], [("a", None, 2 * BS, False)], {"a": 30 - 2 * BS})
@@ -198,7 +199,7 @@ def test_worker_drops_stores_computed_over_a_failed_load(worker):
     """The step that meets a damaged file stores nothing from the bad block on; the next one heals."""
     planner, mover, shared, cache = worker
     store = shared.store
-    t = toks(26, 7)
+    t = toks(30, 7)  # 7 full blocks: 6 stored, the 7th computed in the step that loads the 6
     ks = chain_keys(store.root, t, BS)
     rng = np.random.default_rng(0)
     good = rng.standard_normal((6,) + cache.shape[1:]).astype(np.float16)
@@ -211,25 +212,27 @@ def test_worker_drops_stores_computed_over_a_failed_load(worker):
     st, hit = new_request(planner, "a", t)
     assert hit == 24
     planner.allocated(st, 24)
-    ids = list(range(10, 17))
+    ids = list(range(10, 18))
     cache[ids] = 99  # stale engine memory: what a failed block holds
-    plan = planner.build_step([("a", ids, 24)], [], {"a": 2})
+    plan = planner.build_step([("a", ids, 24)], [], {"a": 6})
+    # the loaded blocks are not offered to the store again; block 6 carries the table before it
+    assert [(sp.start, sp.block_ids, sp.prior_ids) for sp in plan.stores] == [(6, ids[6:7], ids[:6])]
     mover.load(plan)
     bad = mover.take_load_errors()
     assert bad == set(ids[2:6])  # from the first failed block on (the rest of the prefix is not read)
     assert np.array_equal(cache[ids[:2]], good[:2])
-    mover.save(plan)  # the forward pass ran over garbage in 12..15: nothing from block 2 on is stored
+    mover.save(plan)  # the forward pass ran over garbage in 12..15: block 6 (16) is not stored
     assert store.contains_prefix(ks, record=False).num_blocks == 2
     assert shared.metrics.registry.get_sample_value("kvstore_engine_store_skipped_blocks_total",
-                                                    {"reason": "failed_load"}) == 4
+                                                    {"reason": "failed_load"}) == 1
     # vLLM recomputes from block 2 (the engine now holds the right KV) and reschedules
     cache[ids[2:6]] = good[2:6]
     cache[ids[6]] = 7
-    plan = planner.build_step([], [("a", None, 8, False)], {"a": 18})
+    plan = planner.build_step([], [("a", None, 8, False)], {"a": 22})
     assert plan.loads == [] and plan.stores[0].start == 2
     mover.load(plan)
     mover.save(plan)
-    assert store.contains_prefix(ks, record=False).num_blocks == 6  # healed (the 7th was never computed)
+    assert store.contains_prefix(ks, record=False).num_blocks == 7  # healed
     out = np.zeros((6, store.block_bytes), np.uint8)
     assert store.get(ks[:6], out) == 6
     assert np.array_equal(out[:6].view(np.float16).reshape(good.shape), good)

@@ -176,7 +176,8 @@ def test_counters_are_exact_through_the_connector(tiny_model, tmp_path):
     b = a[:96] + prompt(104, 32)  # shares 3 blocks with a
     ref = reference(tiny_model, [a, b])
     exp = {"requests": 0, "prompt_tokens": 0, "engine_local_hit_tokens": 0,
-           "served_tokens": {"dram": 0, "nvme": 0}, "held_tokens": {"dram": 0, "nvme": 0}, "unsupplied_tokens": {}}
+           "served_tokens": {"dram": 0, "nvme": 0, "remote": 0},
+           "held_tokens": {"dram": 0, "nvme": 0, "remote": 0}, "unsupplied_tokens": {}}
 
     def expect(local=0, served=None, held=None, **unsupplied):
         exp["requests"] += 1

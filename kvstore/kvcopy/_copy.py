@@ -14,6 +14,8 @@ from . import reference
 from ._buffers import Meta, is_torch, tensor_meta
 from .layout import KVLayout
 
+_U8 = np.dtype(np.uint8)
+
 log = logging.getLogger("kvstore.kvcopy")
 
 _MODES = {"auto": 0, "kernel": 1, "dma": 2}
@@ -124,6 +126,7 @@ class _Blocks:
             n = len(blocks)
             ptrs = np.empty(n, dtype=np.uint64)
             devs = set()
+            cpu = False
             torch = sys.modules.get("torch")
             u8 = torch.uint8 if torch is not None else None
             for i, b in enumerate(blocks):
@@ -138,6 +141,19 @@ class _Blocks:
                 ):
                     ptrs[i] = b.data_ptr()
                     devs.add(("cuda", b.get_device()) if b.is_cuda else ("cpu", -1))
+                    continue
+                # fast path: a contiguous 1-D uint8 numpy slot (a DRAM slot view); the general
+                # path below cost ~60 us a block (16 ms of a 20 ms scatter of 255 blocks, measured)
+                if (
+                    type(b) is np.ndarray
+                    and b.dtype is _U8
+                    and b.ndim == 1
+                    and b.shape[0] == block_bytes
+                    and b.flags.c_contiguous
+                    and (not write or b.flags.writeable)
+                ):
+                    ptrs[i] = b.ctypes.data
+                    cpu = True
                     continue
                 m = tensor_meta(b, f"{what}[{i}]")
                 if m.itemsize != 1:
@@ -156,6 +172,8 @@ class _Blocks:
                 ptrs[i] = m.ptr
                 devs.add((m.device, m.device_index))
             self.objs = blocks
+            if cpu:
+                devs.add(("cpu", -1))
             if len(devs) > 1:
                 raise ValueError(f"{what}: store blocks on several devices {sorted(devs)}")
             self.device, self.device_index = devs.pop() if devs else ("cpu", -1)

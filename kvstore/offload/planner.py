@@ -256,6 +256,9 @@ class Planner:
             except Exception as e:  # promised but not pinned: plan it anyway, the worker fails every block
                 self._failed("begin_load", e)
                 hid, got_blocks, tier_of = 0, 0, ()
+            # the blocks found are in the store already: never offered to it again (a load that
+            # fails rewinds the request below them, and _plan_req stores what it recomputes)
+            st.saved_blocks = max(st.saved_blocks, first + got_blocks)
             # attribute each block to the tier it was found in (a prefetch may have moved it)
             tiers = tuple(st.origin[first + i] if first + i < len(st.origin) else t for i, t in enumerate(tier_of))
             st.load = (hid, first, n, tiers)
