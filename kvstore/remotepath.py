@@ -141,6 +141,30 @@ class RemotePath:
         if keys:
             self._submit(job)
 
+    def _put_remote_only(self, keys: list[bytes], rows: list[np.ndarray]) -> int:
+        """``put`` on a store whose only tier is the remote one: the caller's rows are sent as
+        they are (blocks Redis holds already, and repeats, are skipped)."""
+        seen, idx = set(), []
+        for i, (k, there) in enumerate(zip(keys, self.remote.exists(keys))):
+            if not there and k not in seen:
+                seen.add(k)
+                idx.append(i)
+        if not idx:
+            return 0
+        t0 = time.perf_counter()
+        res = self.remote.put([keys[i] for i in idx], [rows[i] for i in idx])
+        return self._count_remote_put([keys[i] for i in idx], res, t0)
+
+    def _count_remote_put(self, keys: list[bytes], res: list[bool], t0: float) -> int:
+        n = sum(res)
+        self.metrics.bytes_in.labels("remote").inc(n * self.block_bytes)
+        if len(res) - n:
+            self.metrics.failed.labels("remote", "write").inc(len(res) - n)
+        self.metrics.put_latency.labels("remote").observe(time.perf_counter() - t0)
+        self._forget_gone([k for k, r in zip(keys, res) if r])
+        self._sync_remote_metrics()
+        return n
+
     def _end_store_remote(self, h, oks: list) -> int:
         """End a remote-only store: write its staged blocks (one pipeline). Returns blocks stored."""
         idx = [i for i, (v, o) in enumerate(zip(h.views, oks)) if v is not None and o]
@@ -148,14 +172,7 @@ class RemotePath:
             return 0
         t0 = time.perf_counter()
         res = self.remote.put([h.keys[i] for i in idx], [h.views[i] for i in idx])
-        n = sum(res)
-        self.metrics.bytes_in.labels("remote").inc(n * self.block_bytes)
-        if len(res) - n:
-            self.metrics.failed.labels("remote", "write").inc(len(res) - n)
-        self.metrics.put_latency.labels("remote").observe(time.perf_counter() - t0)
-        self._forget_gone([h.keys[i] for i, r in zip(idx, res) if r])
-        self._sync_remote_metrics()
-        return n
+        return self._count_remote_put([h.keys[i] for i in idx], res, t0)
 
     # -- metrics ---------------------------------------------------------------------------------
     def _sync_remote_metrics(self) -> None:

@@ -123,12 +123,8 @@ class StorePath:
         self._check_open()
         keys = _check_keys(keys)
         rows = _rows(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
-        if self.dram is None and self.nvme is None:  # remote only (or nothing)
-            h = self.begin_store(keys)
-            for v, r in zip(h.views, rows):
-                if v is not None:
-                    np.copyto(v, r[: self.block_bytes], casting="no")
-            return self.end_store(h, True)
+        if self.dram is None and self.nvme is None:  # remote only (or nothing): no staging copy
+            return self._put_remote_only(keys, rows) if self.remote is not None else 0
         if self.dram is None:
             return self._put_nvme(keys, rows)
         h = self.begin_store(keys)
