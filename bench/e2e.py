@@ -36,6 +36,19 @@ are summed up per design at the end: DRAM-hit TTFT / vLLM prefix-hit TTFT <= 1.3
 recompute TTFT <= 0.15 (prompts of 4k tokens and more); multi-turn under HBM pressure, kvstore
 tokens/s / recompute tokens/s >= 2.59; no-reuse throughput / vLLM's >= 0.97.
 
+**Two engines** (``two_engines`` in ``--cases``; on by default, off with ``--quick`` unless named).
+Engine A (its own process, its own DRAM/NVMe folders, the remote tier on a Redis: ``--redis-url``,
+else a private password-protected ``redis-server`` started for the run, ``bench/redis_local.py``)
+computes ``--te-repeats`` fresh prompts of each ``--lengths`` (after one warm-up prompt of that
+length) and stores them (write-through to Redis); engine B (another process, its own empty
+folders, the same Redis) then gets the same prompts (the warm-up one first, not measured).
+Reported per length: B's TTFT on that remote hit beside recompute's (vLLM without prefix caching:
+the TTFT table's figure when it ran in this invocation, else measured in A's process before A's
+engine) and A's own TTFT (a miss that stores); B's cached tokens, which must be every full block
+(all but the block of the last token), and whether B's greedy output tokens equal A's.
+``--cases two_engines`` alone runs only this group. Skipped (with a note) where no
+``redis-server`` is installed and no ``--redis-url`` is given.
+
 **Peers.** On a machine with CUDA, and when they are installed, the same runs also drive
 LMCache's connector (``LMCacheConnectorV1``, CPU backend) and vLLM's ``OffloadingConnector``
 (CPU blocks). Neither runs on vLLM's CPU backend (DESIGN.md section 7), so on CPU the report
@@ -61,6 +74,8 @@ import numpy as np
 from bench.report import markdown_table, progress, write_json
 
 TTFT_CASES = ["recompute", "vllm_prefix", "kvstore_dram", "kvstore_nvme"]
+GROUPS = ["two_engines"]  # case groups beside the TTFT cases (``--cases``)
+TE_OUTPUT = 8  # greedy tokens each two-engine request generates (compared between A and B)
 MT_CASES = ["recompute", "vllm_prefix", "kvstore"]
 KVSTORE_CASES = ("kvstore", "kvstore_dram", "kvstore_nvme")
 PEERS = {"lmcache": "LMCache (LMCacheConnectorV1, CPU backend)",
@@ -80,7 +95,7 @@ GOALS = {
 
 
 # ``--quick``: the whole path at toy sizes (tests; a smoke check of a new machine)
-QUICK = {"lengths": "128", "repeats": 1, "hidden": 128, "layers": 2, "mt_clients": 2, "mt_turns": 2,
+QUICK = {"lengths": "128", "repeats": 1, "te_repeats": 1, "hidden": 128, "layers": 2, "mt_clients": 2, "mt_turns": 2,
          "mt_max_tokens": 256, "mt_system": 64, "mt_first": 64, "mt_output": 4, "nr_repeats": 1, "nr_prompts": 2,
          "nr_prefill_tokens": 128, "nr_decode_prompt": 32, "nr_decode_output": 8}
 
@@ -108,10 +123,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nr-prefill-tokens", type=int, default=2048, help="no-reuse prefill_heavy: tokens per prompt")
     p.add_argument("--nr-decode-prompt", type=int, default=128, help="no-reuse decode_heavy: tokens per prompt")
     p.add_argument("--nr-decode-output", type=int, default=512, help="no-reuse decode_heavy: output tokens per prompt")
-    p.add_argument("--cases", default=",".join(TTFT_CASES),
-                   help="which of recompute,vllm_prefix,kvstore_dram,kvstore_nvme to run (recompute and "
-                        "vllm_prefix are the baselines and always run; the multi-turn and no-reuse runs use "
-                        "kvstore_dram's configuration)")
+    p.add_argument("--cases", default=None,
+                   help="which of recompute,vllm_prefix,kvstore_dram,kvstore_nvme,two_engines to run (default: all; "
+                        "with --quick all but two_engines, which starts two engine processes and a Redis). "
+                        "recompute and vllm_prefix are the baselines and always run; the multi-turn and no-reuse "
+                        "runs use kvstore_dram's configuration; two_engines alone runs only the two-engine group")
+    p.add_argument("--redis-url", default=None,
+                   help="two_engines: the Redis both engines share (its password from KVSTORE_REDIS_PASSWORD); "
+                        "default: a private redis-server started for the run")
+    p.add_argument("--te-repeats", type=int, default=1,
+                   help="two_engines: prompts per length (each one remote hit in engine B; median)")
+    p.add_argument("--remote-timeout-ms", type=int, default=1000, help="two_engines: tiers.remote.timeout_ms")
     p.add_argument("--peers", default="auto", choices=["auto", "off"],
                    help="auto: also drive LMCache / vLLM OffloadingConnector where they can run (CUDA)")
     p.add_argument("--peer-cpu-gb", type=float, default=4.0, help="CPU cache size given to each peer")
@@ -153,7 +175,7 @@ def peer_status() -> dict[str, dict]:
 
 
 def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_cpu_gb: float,
-                 design: str | None = None):
+                 design: str | None = None, remote: dict | None = None):
     """The KVTransferConfig of a case (None: no connector)."""
     if connector is None:
         return None
@@ -164,6 +186,8 @@ def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_
                            "nvme": {"path": store, "capacity_gb": 8, "ttl_s": None}}}
         if design is not None:
             extra["io"] = dict(DESIGNS[design])
+        if remote:  # the shared tier (credentials from KVSTORE_REDIS_PASSWORD in the environment)
+            extra["tiers"]["remote"] = dict(remote)
         return KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     if connector == "lmcache":  # LMCache reads its config from the environment
         os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
@@ -179,12 +203,12 @@ def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_
 class _Engine:
     def __init__(self, model: str, block_size: int, max_len: int, connector: str | None = None,
                  store: str | None = None, dram_gb: float = 1.0, prefix_caching: bool = True,
-                 peer_cpu_gb: float = 4.0, design: str | None = None):
+                 peer_cpu_gb: float = 4.0, design: str | None = None, remote: dict | None = None):
         from vllm import LLM
 
         kw = dict(enforce_eager=True, block_size=block_size, max_model_len=max_len, dtype="float32", seed=0,
                   enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_len)
-        ktc = _kv_transfer(connector, store, dram_gb, peer_cpu_gb, design)
+        ktc = _kv_transfer(connector, store, dram_gb, peer_cpu_gb, design, remote)
         if ktc is not None:
             kw["kv_transfer_config"] = ktc
         self.llm = LLM(model, **kw)
@@ -298,6 +322,232 @@ def no_reuse_once(eng: _Engine, prompts: list[list[int]], max_tokens: int) -> di
             "cached_tokens": sum(r["cached"]), "throughput_tok_s": (n_prompt + n_out) / r["wall_s"]}
 
 
+# -- two engines sharing one Redis -------------------------------------------------------------------
+
+def _full_blocks(n: int, block_size: int) -> int:
+    """Tokens a prefix hit can supply: every full block but the block of the last token (vLLM computes it)."""
+    return (n - 1) // block_size * block_size
+
+
+def _engine_job(job: dict) -> dict:
+    """The body of one two-engine child process (``python -m bench.e2e --_engine-job JOB.json``).
+
+    ``job["recompute"]``: each prompt once on vLLM without prefix caching and no connector (TTFT,
+    output tokens). Then the kvstore engine (own folders, ``job["remote"]``): each of
+    ``job["prompts"]`` once in order (TTFT, output tokens, cached tokens; the caller drops the
+    warm-up ones). The engine's background writes are flushed before it closes (A's blocks are
+    all in Redis when its process exits)."""
+    bs, max_len, k = job["block_size"], job["max_len"], job["max_tokens"]
+    out: dict = {"recompute": [], "runs": [], "counters": {}, "phase_s": {}}
+    t0 = time.perf_counter()
+    if job.get("recompute"):
+        eng = _Engine(job["model"], bs, max_len, prefix_caching=False)
+        try:
+            eng.batch([job["warmup"]], 1)
+            for p in job["recompute"]:
+                r = eng.batch([p], k)
+                out["recompute"].append({"tokens": len(p), "ttft_s": r["ttft_s"][0], "outputs": r["outputs"][0]})
+        finally:
+            eng.close()
+        out["phase_s"]["recompute"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+    eng = _Engine(job["model"], bs, max_len, "kvstore", job["store"], job["dram_gb"], True, 0.0, job["design"],
+                  remote=job["remote"])
+    try:
+        from kvstore.offload import shared as shared_mod
+
+        eng.batch([job["warmup"]], 1)
+        for sh in shared_mod.live():  # the DRAM pool's background preparation would compete with the runs
+            sh.store.wait_ready(120)
+        out["phase_s"]["kvstore_start"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p in job["prompts"]:
+            r = eng.batch([p], k)
+            out["runs"].append({"tokens": len(p), "ttft_s": r["ttft_s"][0], "cached": r["cached"][0],
+                                "outputs": r["outputs"][0]})
+        for sh in shared_mod.live():  # in-process engine: the connector's store
+            sh.store.flush()  # write-through to Redis done before this process reports
+            m = sh.store.metrics
+            out["counters"] = {
+                "remote_written_bytes": m.value("kvstore_tier_written_bytes_total", tier="remote"),
+                "remote_read_bytes": m.value("kvstore_tier_read_bytes_total", tier="remote"),
+                "served_remote_tokens": sh.metrics.registry.get_sample_value(
+                    "kvstore_engine_served_tokens_total", {"tier": "remote"}) or 0.0}
+    finally:
+        eng.close()
+    out["phase_s"]["kvstore_runs"] = time.perf_counter() - t0
+    return out
+
+
+def _engine_job_main(path: str) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import json
+
+    with open(path) as f:
+        job = json.load(f)
+    res = _engine_job(job)
+    with open(job["result"] + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(job["result"] + ".tmp", job["result"])
+    return res
+
+
+def _spawn_job(name: str, job: dict, folder: str, password: str | None) -> dict:
+    """Run one engine job in a fresh Python process (its output in ``folder/NAME.log``); its result.
+    A failure raises with the tail of that log. (A and B run one after the other: started
+    together, the two start-ups took longer on a 2-core machine than in turn, 46 s vs 34 s.)"""
+    import json
+    import subprocess
+    import sys
+
+    from bench.redis_local import _die_with_parent
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([root] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if password:
+        env["KVSTORE_REDIS_PASSWORD"] = password
+    path, log_path = os.path.join(folder, f"{name}.job.json"), os.path.join(folder, f"{name}.log")
+    with open(path, "w") as f:
+        json.dump(job, f)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "bench.e2e", "--_engine-job", path], cwd=root, env=env,
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             preexec_fn=_die_with_parent)  # no orphan engine if the bench is killed
+        try:
+            rc = p.wait(timeout=3600)
+        except BaseException:
+            p.kill()
+            p.wait()
+            raise
+    if rc != 0 or not os.path.exists(job["result"]):
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"two_engines: engine {name} failed (exit {rc}):\n{tail}")
+    with open(job["result"]) as f:
+        res = json.load(f)
+    res["process_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def two_engines(model: str, a, lengths: list[int], designs: list[str], max_len: int, work: str,
+                advance=None, recompute_s: dict[int, float] | None = None) -> dict:
+    """Engine A (a process) computes ``a.te_repeats`` fresh prompts per length and stores them,
+    written through to Redis; engine B (another process, empty folders, same Redis) gets them.
+    ``recompute_s``: recompute's TTFT per length measured in this run already (the TTFT table);
+    lengths it lacks are measured in A's process, before A's engine."""
+    import secrets
+
+    design = "async" if "async" in designs else designs[0]
+    info = {"design": design, "output_tokens": TE_OUTPUT, "block_size": a.block_size, "repeats": a.te_repeats,
+            "timeout_ms": a.remote_timeout_ms, "skipped": None}
+    server, password = None, None
+    if a.redis_url:
+        url, password = a.redis_url, os.environ.get("KVSTORE_REDIS_PASSWORD") or None
+        info["redis"] = "--redis-url"
+    else:
+        from bench import redis_local
+
+        info["redis"] = "private redis-server (password)"
+        if not redis_local.available():
+            info["skipped"] = "no redis-server on PATH (install it, or pass --redis-url)"
+            return {"rows": [], "info": info}
+        password = secrets.token_hex(16)
+        server = redis_local.start(os.path.join(work, "redis"), password=password)
+        url = server.url
+    rng = np.random.default_rng(4242)
+
+    def toks(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(4, 500, size=n)]
+
+    # per length: a warm-up prompt (every engine's first prompt of a length is slower: dropped; in B
+    # it is a remote hit too), then te_repeats measured ones; A computes and stores them all
+    prompts, measured = [], []
+    for n in lengths:
+        for j in range(a.te_repeats + 1):
+            prompts.append(toks(n))
+            measured.append(j > 0)
+    # recompute (no prefix cache, no connector): the warm-up and the first measured prompt of a length
+    known = recompute_s or {}
+    recompute = [p for n in lengths if n not in known for p in [q for q in prompts if len(q) == n][:2]]
+    # DRAM: one 256 MiB chunk, ready when the store opens (a larger pool is prepared in the background)
+    base = {"model": model, "block_size": a.block_size, "max_len": max_len, "max_tokens": TE_OUTPUT,
+            "dram_gb": 0.25, "design": design, "remote": {"url": url, "timeout_ms": a.remote_timeout_ms},
+            "prompts": prompts}
+    try:
+        ra = _spawn_job("a", dict(base, store=os.path.join(work, "te-a"), recompute=recompute, warmup=toks(64),
+                                  result=os.path.join(work, "a.result.json")), work, password)
+        if advance:
+            advance()
+        # B starts after A's process is gone: every block A computed is in Redis
+        rb = _spawn_job("b", dict(base, store=os.path.join(work, "te-b"), recompute=[], warmup=toks(64),
+                                  result=os.path.join(work, "b.result.json")), work, password)
+        if advance:
+            advance()
+    finally:
+        if server is not None:
+            server.stop()
+    info["counters"] = {"a": ra["counters"], "b": rb["counters"]}
+    info["process_wall_s"] = {"a": ra["process_wall_s"], "b": rb["process_wall_s"]}
+    info["phase_s"] = {"a": ra.get("phase_s"), "b": rb.get("phase_s")}
+    info["warmup_cached_b"] = [rb["runs"][i]["cached"] for i, m in enumerate(measured) if not m]
+    rows = []
+    for n in lengths:
+        rec = [r for r in ra["recompute"] if r["tokens"] == n][1:]  # past the warm-up
+        if n in known:
+            rec = [{"ttft_s": known[n], "outputs": None}]
+        ia = [i for i, p in enumerate(prompts) if len(p) == n and measured[i]]
+        ta = [ra["runs"][i]["ttft_s"] for i in ia]
+        tb = [rb["runs"][i]["ttft_s"] for i in ia]
+        cached_b = [rb["runs"][i]["cached"] for i in ia]
+        full = _full_blocks(n, a.block_size)
+        same = [rb["runs"][i]["outputs"] == ra["runs"][i]["outputs"] for i in ia]
+        t_rec = statistics.median(r["ttft_s"] for r in rec)
+        t_b = statistics.median(tb)
+        rows.append({"prompt_tokens": n, "design": design, "recompute_ttft_ms": 1e3 * t_rec,
+                     "recompute_source": "TTFT table" if n in known else "engine A's process",
+                     "a_ttft_ms": 1e3 * statistics.median(ta), "b_ttft_ms": 1e3 * t_b, "x_recompute": t_b / t_rec,
+                     "a_x_recompute": statistics.median(ta) / t_rec, "b_runs_ms": [1e3 * t for t in tb],
+                     "cached_tokens": min(cached_b), "cached_runs": cached_b, "a_cached": [ra["runs"][i]["cached"]
+                                                                                         for i in ia],
+                     "full_block_tokens": full, "cached_ok": all(c == full for c in cached_b),
+                     "outputs_equal": all(same), "outputs_equal_runs": same,
+                     # the same prompt recomputed (no prefix cache, no connector): information only
+                     "recompute_outputs_equal": (rb["runs"][ia[0]]["outputs"] == rec[0]["outputs"]
+                                                 if rec[0]["outputs"] is not None else None)})
+    return {"rows": rows, "info": info}
+
+
+def _render_two_engines(rows: list[dict], info: dict) -> str:
+    head = (f"\nTwo engines, one Redis ({info.get('redis', '')}; design {info['design']}, block "
+            f"{info['block_size']}): engine A (its own process and folders) computes {info['repeats']} fresh "
+            f"prompt(s) per length and writes them through to Redis; engine B (another process, empty folders) "
+            f"then gets the same prompts: a remote hit. Each engine's first prompt of a length is a warm-up, "
+            f"dropped. TTFT medians; recompute = vLLM without prefix caching (the TTFT table's when it ran, "
+            f"else measured in A's process before A's engine); cached = B's cached tokens, which must be every "
+            f"full block; "
+            f"outputs = B's {info['output_tokens']} greedy tokens equal A's.\n")
+    if info.get("skipped"):
+        return head + f"\nnot run: {info['skipped']}"
+    table = [{**r, "cached": f"{r['cached_tokens']}/{r['full_block_tokens']} "
+                              f"{'ok' if r['cached_ok'] else 'SHORT'}",
+              "same": "yes" if r["outputs_equal"] else "NO"} for r in rows]
+    c = info.get("counters", {})
+    tail = ""
+    if c:
+        tail = (f"\nRedis: A wrote {c['a'].get('remote_written_bytes', 0) / 2**20:.1f} MiB; B read "
+                f"{c['b'].get('remote_read_bytes', 0) / 2**20:.1f} MiB and served "
+                f"{c['b'].get('served_remote_tokens', 0):.0f} tokens from it.")
+    return head + "\n" + markdown_table(
+        table, ["prompt_tokens", "recompute_ttft_ms", "a_ttft_ms", "b_ttft_ms", "x_recompute", "cached", "same"],
+        ["prompt tokens", "recompute TTFT ms", "A TTFT ms (miss, stores)", "B TTFT ms (remote hit)",
+         "B x recompute", "B cached tokens", "B outputs = A's"]) + tail
+
+
 # -- the command ---------------------------------------------------------------------------------------
 
 def _label(case: str, design: str | None) -> str:
@@ -355,13 +605,22 @@ def run(a: argparse.Namespace) -> dict:
     load_start = _load()
     lengths = [int(x) for x in str(a.lengths).split(",") if x.strip()]
     designs = _designs(a.designs)
-    do_mt = a.mt_clients > 0 and a.mt_turns > 0
-    do_nr = a.nr_repeats > 0 and a.nr_prompts > 0
+    cases_arg = a.cases if a.cases is not None else ",".join(TTFT_CASES + ([] if a.quick else GROUPS))
+    named = {c.strip() for c in str(cases_arg).split(",") if c.strip()}
+    bad = named - set(TTFT_CASES) - set(GROUPS)
+    if bad:
+        raise SystemExit(f"--cases: unknown {sorted(bad)}; choose from {TTFT_CASES + GROUPS}")
+    te_lengths = lengths if "two_engines" in named and a.te_repeats > 0 else []
+    only_groups = bool(named) and named <= set(GROUPS)  # e.g. --cases two_engines: that group alone
+    if only_groups:
+        lengths = []
+    do_mt = a.mt_clients > 0 and a.mt_turns > 0 and not only_groups
+    do_nr = a.nr_repeats > 0 and a.nr_prompts > 0 and not only_groups
     peers = peer_status() if a.peers == "auto" else {n: {"label": l, "available": False, "why": "--peers off"}
                                                      for n, l in PEERS.items()}
     live_peers = [n for n, s in peers.items() if s["available"]]
     work = tempfile.TemporaryDirectory(prefix="kvstore-e2e-", dir=a.dir)
-    need = list(lengths)
+    need = list(lengths) + list(te_lengths)
     if do_mt:
         need.append(a.mt_max_tokens + a.mt_output + 64)
     if do_nr:
@@ -374,10 +633,7 @@ def run(a: argparse.Namespace) -> dict:
     def fresh(n: int) -> list[int]:
         return [int(x) for x in rng.integers(4, 500, size=n)]
 
-    want = {c.strip() for c in str(a.cases).split(",") if c.strip()} | {"recompute", "vllm_prefix"}
-    bad = want - set(TTFT_CASES)
-    if bad:
-        raise SystemExit(f"--cases: unknown {sorted(bad)}; choose from {TTFT_CASES}")
+    want = (named - set(GROUPS)) | {"recompute", "vllm_prefix"}
     ttft_cases = ([c for c in TTFT_CASES if c in want] + live_peers) if lengths else []
     mt_cases = ([c for c in MT_CASES if c != "kvstore" or "kvstore_dram" in want] + live_peers) if do_mt else []
     cases = list(dict.fromkeys([c for c in ttft_cases] + [("kvstore_dram" if c == "kvstore" else c) for c in mt_cases]))
@@ -397,6 +653,7 @@ def run(a: argparse.Namespace) -> dict:
     steps = len(ttft_runs) * len(lengths) * (a.repeats + 1)
     steps += sum(1 if c == "recompute" else len(REGIMES) for c, _ in mt_runs) * a.mt_turns
     steps += len(nr_configs) * a.nr_repeats * len(NR_WORKLOADS) if do_nr else 0
+    steps += 2 if te_lengths else 0
     bar, task = progress(max(1, steps), "bench e2e")
     with bar:
         for case, design in runs:
@@ -455,6 +712,15 @@ def run(a: argparse.Namespace) -> dict:
                 finally:
                     eng.close()
                     shutil.rmtree(store, ignore_errors=True)
+        te = None
+        if te_lengths:
+            bar.update(task, description="bench e2e: two engines")
+            # recompute's TTFT where the TTFT table measured it (same lengths, this run)
+            known = {n: statistics.median(times[("recompute", None, n)]) for n in te_lengths
+                     if ("recompute", None, n) in times}
+            te = two_engines(model, a, te_lengths, designs, max_len, work.name,
+                             advance=lambda: bar.advance(task),
+                             recompute_s=known)
     work.cleanup()
     goals: list[dict] = []
     rows = []
@@ -508,14 +774,17 @@ def run(a: argparse.Namespace) -> dict:
                             "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in runs_),
                             "x_vllm": x, "x_vllm_runs": ratios,
                             "throughput_runs": [r["throughput_tok_s"] for r in runs_], "goal": goal})
-    data = {"results": rows, "multi_turn": mt_rows, "no_reuse": nr_rows, "goals": goals, "peers": peers,
+    data = {"results": rows, "multi_turn": mt_rows, "no_reuse": nr_rows,
+            "two_engines": te["rows"] if te else [], "two_engines_info": te["info"] if te else None,
+            "goals": goals, "peers": peers,
             "designs": {d: DESIGNS[d] for d in designs},
             "params": {"lengths": lengths, "repeats": a.repeats, "block_size": a.block_size, "hidden": a.hidden,
                        "layers": a.layers, "designs": designs, "mt_clients": a.mt_clients, "mt_turns": a.mt_turns,
                        "mt_max_tokens": a.mt_max_tokens, "mt_system": a.mt_system, "mt_first": a.mt_first,
                        "mt_output": a.mt_output, "nr_repeats": a.nr_repeats, "nr_prompts": a.nr_prompts,
                        "nr_prefill_tokens": a.nr_prefill_tokens, "nr_decode_prompt": a.nr_decode_prompt,
-                       "nr_decode_output": a.nr_decode_output, "device": "cuda" if _cuda() else "cpu",
+                       "nr_decode_output": a.nr_decode_output, "te_lengths": te_lengths,
+                       "te_repeats": a.te_repeats, "device": "cuda" if _cuda() else "cpu",
                        "quick": bool(a.quick), "cpus": os.cpu_count(), "load_start": load_start,
                        "load_end": _load(), "wall_s": time.perf_counter() - t_start}}
     print(render(data))
@@ -573,6 +842,9 @@ def render(data: dict) -> str:
                                          "cached_tokens", "wall_s", "throughput_tok_s", "x_vllm", "per_round", "goal"],
                                   ["workload", "case", "design", "prompt tokens", "output tokens", "cached tokens",
                                    "wall s", "tokens/s", "x vLLM", "x vLLM per round", "goal"]))
+    info = data.get("two_engines_info")
+    if info:
+        out.append(_render_two_engines(data.get("two_engines") or [], info))
     if data.get("goals"):
         out.append("\nGoals (issue 13), per design:\n")
         keys = list(dict.fromkeys((g["goal"], g["where"]) for g in data["goals"]))
@@ -670,6 +942,11 @@ def plot(data: dict, folder: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--_engine-job"]:  # a child process of two_engines (not a user flag)
+        return _engine_job_main(argv[1])
     p = argparse.ArgumentParser(prog="kvstore bench e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)

@@ -9,7 +9,17 @@ before it (so a busy machine slows both sides of the ratio alike):
 * NVMe put/get: the better of an O_DIRECT sequential write/read in 4 MiB chunks at queue depth 1
   (what ``dd oflag=direct bs=4M`` does) and an O_DIRECT write/read of the same blocks, one block
   per I/O, at the store's I/O parallelism (``--io-threads``; the store writes one file per block
-  from that many threads, which a virtual disk serves faster than queue depth 1).
+  from that many threads, which a virtual disk serves faster than queue depth 1);
+* remote put/get (``--tiers remote``, Redis or Valkey: ``--redis-url``, else a private
+  ``redis-server`` started for the run, ``bench/redis_local.py``): a raw pipelined ``SET ... PX``
+  then ``GETEX ... PX`` of values of the store's size (block bytes + the 88-byte header, built
+  before the clock starts), with the same redis-py client type (a ``BlockingConnectionPool`` of
+  as many connections as callers), on the same server, the same batch per pipeline and as many
+  caller threads. The store under test has DRAM and NVMe off and ``tiers.remote.url`` set (its remote
+  connection pool and I/O pool as wide as the callers); its put is timed up to ``store.flush()``,
+  so a write-through still running on the store's I/O pool is counted. Should a put with no local tier store nothing (the store writes Redis only through a
+  local tier), the put side is measured with a DRAM tier in front (write-through, the DRAM copy
+  included in the time) and the row says so; the get side always reads a store with no local tier.
 
 The default block is shaped like a 7B-class model: 32 layers, 8 KV heads, head size 128, fp16,
 so 16 / 32 / 128 tokens are 2 / 4 / 16 MiB. Latency is per put/get call of ``--batch`` blocks.
@@ -26,6 +36,7 @@ YAML (``--config``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import threading
@@ -49,6 +60,7 @@ DEFAULTS = {
     "total_mb": 512, "block_tokens": "16,32,128", "layers": 32, "kv_heads": 8, "head_size": 128, "dtype_bytes": 2,
     "batch": 32, "concurrency": "1,4", "io_threads": 4, "repeats": 3, "tiers": "dram,nvme", "codecs": "none",
     "dir": None, "o_direct": "auto", "json": None, "plots": None, "kv_data": "auto",
+    "redis_url": None, "redis_timeout_ms": 10000,
 }
 
 
@@ -66,7 +78,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default=None, help=f"comma list of caller threads ({d['concurrency']})")
     p.add_argument("--io-threads", type=int, default=None, help=f"NVMe I/O threads ({d['io_threads']})")
     p.add_argument("--repeats", type=int, default=None, help=f"({d['repeats']})")
-    p.add_argument("--tiers", default=None, help=f"({d['tiers']})")
+    p.add_argument("--tiers", default=None, help=f"comma list of dram, nvme, remote ({d['tiers']})")
+    p.add_argument("--redis-url", default=None, help="remote tier: redis://host:port of the server to measure (its "
+                   "password from KVSTORE_REDIS_PASSWORD); default: a private redis-server started for the run")
+    p.add_argument("--redis-timeout-ms", type=int, default=None,
+                   help=f"remote tier: socket timeout of the store and the raw client ({d['redis_timeout_ms']})")
     p.add_argument("--codecs", default=None, help="comma list of tier codecs to measure (none | int8 | fp8 | "
                    "...+zstd); a codec the store does not implement yet is reported as such (none)")
     p.add_argument("--kv-data", default=None, choices=["auto", *KINDS],
@@ -203,47 +219,78 @@ def run(a: argparse.Namespace) -> dict:
     folder = folder_ctx.name
     results: list[dict] = []
     skipped: list[dict] = []
+    bad = [t for t in tiers if t not in ("dram", "nvme", "remote")]
+    if bad:
+        raise SystemExit(f"--tiers: unknown {bad}; known: dram, nvme, remote")
+    server = None
+    a._redis_url, a._redis_password = None, None
+    if "remote" in tiers:
+        if a.redis_url:
+            a._redis_url, a._redis_password = a.redis_url, os.environ.get("KVSTORE_REDIS_PASSWORD") or None
+        else:
+            from bench import redis_local
+
+            if redis_local.available():
+                server = redis_local.start()
+                a._redis_url = server.url
+            else:  # the other tiers are still measured
+                tiers = [t for t in tiers if t != "remote"]
+                skipped += [{"tier": "remote", "codec": c, "block_tokens": None, "concurrency": None,
+                             "error": "no redis-server on PATH (install it, or pass --redis-url)"} for c in codecs]
     n_steps = len(block_tokens) * (len(concurrency) * len(tiers) * len(codecs) * a.repeats) + 2
     bar, task = progress(n_steps, "bench tiers")
-    with bar:
-        # the dd-style reference limits (one big buffer; DESIGN.md section 6), for the header
-        mem = memcpy_gbps(total)
-        bar.advance(task)
-        dw, dr, direct = odirect_gbps(folder, total)
-        bar.advance(task)
-        limits = {"memcpy_gbps": mem, "odirect_write_gbps": dw, "odirect_read_gbps": dr, "o_direct": direct}
-        for bt in block_tokens:
-            bb = _block_bytes(a, bt)
-            n = max(a.batch, total // bb)
-            _m1, flat = alloc_aligned(n * bb)
-            src = flat.reshape(n, bb)
-            what = _fill(src, a, bt)
-            if what not in data_notes:
-                data_notes.append(what)
-            _m2, oflat = alloc_aligned(n * bb)
-            out = oflat.reshape(n, bb)
-            for tier in tiers:
-                for codec in codecs:
-                    for c in concurrency:
-                        row = _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task)
-                        if "error" in row:
-                            skipped.append(row)
-                        else:
-                            results.extend(row["rows"])
-            del src, out, flat, oflat
-            _m1.close()
-            _m2.close()
+    limits: dict = {}
+    try:
+        with bar:
+            _run_all(a, block_tokens, concurrency, tiers, codecs, total, folder, data_notes, results, skipped,
+                     bar, task, limits)
+    finally:
+        if server is not None:
+            server.stop()
     folder_ctx.cleanup()
     data = {"limits": limits, "results": results, "skipped": skipped, "kv_data": data_notes,
             "params": {"kv_data": a.kv_data, "total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
                        "dtype_bytes": a.dtype_bytes, "batch": a.batch, "repeats": a.repeats,
                        "io_threads": a.io_threads, "block_tokens": block_tokens, "concurrency": concurrency,
-                       "codecs": codecs}}
+                       "codecs": codecs, "tiers": tiers,
+                       **({"redis": "--redis-url" if a.redis_url else "private redis-server",
+                           "redis_timeout_ms": a.redis_timeout_ms} if "remote" in tiers else {})}}
     print(render(data))
     write_json(a.json, data)
     if a.plots:
         plot(data, a.plots)
     return data
+
+
+def _run_all(a, block_tokens, concurrency, tiers, codecs, total, folder, data_notes, results, skipped, bar, task,
+             limits: dict) -> None:
+    # the dd-style reference limits (one big buffer; DESIGN.md section 6), for the header
+    mem = memcpy_gbps(total)
+    bar.advance(task)
+    dw, dr, direct = odirect_gbps(folder, total)
+    bar.advance(task)
+    limits.update({"memcpy_gbps": mem, "odirect_write_gbps": dw, "odirect_read_gbps": dr, "o_direct": direct})
+    for bt in block_tokens:
+        bb = _block_bytes(a, bt)
+        n = max(a.batch, total // bb)
+        _m1, flat = alloc_aligned(n * bb)
+        src = flat.reshape(n, bb)
+        what = _fill(src, a, bt)
+        if what not in data_notes:
+            data_notes.append(what)
+        _m2, oflat = alloc_aligned(n * bb)
+        out = oflat.reshape(n, bb)
+        for tier in tiers:
+            for codec in codecs:
+                for c in concurrency:
+                    row = _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task)
+                    if "error" in row:
+                        skipped.append(row)
+                    else:
+                        results.extend(row["rows"])
+        del src, out, flat, oflat
+        _m1.close()
+        _m2.close()
 
 
 def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
@@ -252,6 +299,8 @@ def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
     rows, one block per copy. NVMe limit: the better of a dd-style O_DIRECT sequential write/read
     (4 MiB, queue depth 1) and an O_DIRECT write/read of the same rows, one block per I/O, at the
     store's I/O parallelism (``io_threads``)."""
+    if tier == "remote":
+        return _measure_remote(codec, c, bt, bb, n, src, out, a, bar, task)
     put_t, get_t, put_l, get_l, lim = [], [], [], [], {"put": [], "get": [], "put_seq": [], "get_seq": []}
     ok: bool | None = True
     direct = None
@@ -334,6 +383,183 @@ def _measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, task) -> dict:
     return {"rows": rows}
 
 
+# -- remote tier (Redis / Valkey) --------------------------------------------------------------------
+
+REMOTE_HEADER = 88  # kvstore.fileformat.HEADER_CORE: what a remote value carries before the payload
+
+
+def _remote_cfg(a, c: int, codec: str, dram_bytes: int = 0) -> dict:
+    """Store config: DRAM off (or ``dram_bytes`` in front, for the put fallback), NVMe off, the
+    remote tier on, its I/O pool and connection pool as wide as the callers."""
+    return {"tiers": {"dram": ({"capacity_gb": dram_bytes / GiB, "ttl_s": None} if dram_bytes else {"capacity_gb": 0}),
+                      "nvme": {"capacity_gb": 0, "io_threads": c},
+                      "remote": {"url": a._redis_url, "codec": codec, "io_threads": c,
+                                 "timeout_ms": a.redis_timeout_ms}}}
+
+
+def _remote_store(a, c: int, codec: str, fp, bb: int, tokens: int, dram_bytes: int = 0) -> KVStore:
+    s = KVStore(from_dict(_remote_cfg(a, c, codec, dram_bytes)), block_bytes=bb, fingerprint=fp, block_tokens=tokens)
+    s.wait_ready()
+    if s.remote is None:
+        s.close(persist=False)
+        raise RuntimeError("the store opened no remote tier")
+    return s
+
+
+def _remote_put_direct(store: KVStore, bb: int) -> bool:
+    """Does a put into a store with no local tier reach Redis? (one probe block, removed after)"""
+    key = np.random.default_rng().bytes(16)
+    before = store.remote.stats.get("puts", 0)
+    store.put([key], np.zeros((1, bb), np.uint8))
+    store.flush()
+    ok = store.remote.stats.get("puts", 0) > before
+    store.remote.remove([key])
+    return ok
+
+
+def _raw_client(a, c: int):
+    """The client the store uses (redis-py, a BlockingConnectionPool of ``c`` connections, no retries)."""
+    from urllib.parse import urlsplit
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    u = urlsplit(a._redis_url)
+    t = a.redis_timeout_ms / 1000
+    pool = redis.BlockingConnectionPool(max_connections=c, timeout=None, host=u.hostname, port=u.port or 6379,
+                                        db=int(u.path.strip("/") or 0), retry=Retry(NoBackoff(), 0),
+                                        username=os.environ.get("KVSTORE_REDIS_USERNAME") or None,
+                                        password=a._redis_password, socket_timeout=t, socket_connect_timeout=t,
+                                        **({"connection_class": redis.SSLConnection} if u.scheme == "rediss" else {}))
+    return redis.Redis(connection_pool=pool)
+
+
+def _unlink(client, names: list[bytes]) -> None:
+    for i in range(0, len(names), 512):
+        pipe = client.pipeline(transaction=False)
+        for k in names[i:i + 512]:
+            pipe.unlink(k)
+        pipe.execute()
+
+
+def _measure_remote(codec, c, bt, bb, n, src, out, a, bar, task) -> dict:
+    """``repeats`` rounds of (raw SET, store put, raw GET, store get) back to back. Raw: a pipeline
+    of ``batch`` ``SET name value PX ttl`` (then ``GETEX name PX ttl``) per call from ``c`` threads,
+    values of the store's size prepared before the clock starts; store: ``put`` from ``c`` threads
+    then ``flush()`` (the write-through on the I/O pool), ``get`` from ``c`` threads."""
+    import secrets
+
+    put_t, get_t, put_l, get_l, lim = [], [], [], [], {"put": [], "get": []}
+    ok: bool | None = True
+    got: list[int] = []
+    written: list[int] = []  # value bytes the store sent to Redis for the n blocks
+    put_via = "no local tier"
+    client = _raw_client(a, c)
+    ttl_ms = 86400 * 1000  # the store's default tiers.remote.ttl_s
+    tag = secrets.token_hex(16).encode()
+    # raw values: the store's value size (header + payload), the block's bytes after a fake header
+    head = np.frombuffer(secrets.token_bytes(REMOTE_HEADER), np.uint8)
+    values = [head.tobytes() + src[i].tobytes() for i in range(n)]
+    raw_lat_put: list[float] = []
+    raw_lat_get: list[float] = []
+    raw_bad = [0]
+
+    def raw_set(names, vals):
+        pipe = client.pipeline(transaction=False)
+        for k, v in zip(names, vals):
+            pipe.set(k, v, px=ttl_ms)
+        return sum(1 for r in pipe.execute() if r is True)
+
+    def raw_get(names, _rows):
+        pipe = client.pipeline(transaction=False)
+        for k in names:
+            pipe.execute_command("GETEX", k, "PX", ttl_ms)
+        res = pipe.execute()
+        good = sum(1 for r in res if isinstance(r, bytes) and len(r) == bb + REMOTE_HEADER)
+        if good != len(names):
+            raw_bad[0] += len(names) - good
+        return good
+
+    try:
+        fp = ModelFingerprint(model=f"bench-remote-{tag.decode()}", dtype={2: "float16", 4: "float32"}.get(
+            a.dtype_bytes, "uint8"), block_size=bt, num_layers=a.layers, num_kv_heads=a.kv_heads,
+            head_size=a.head_size, codec=codec)
+        for r in range(a.repeats):
+            try:
+                gstore = _remote_store(a, c, codec, fp, bb, bt)
+            except Exception as e:  # e.g. a codec the remote tier does not implement
+                bar.advance(task, a.repeats - r)
+                return {"tier": "remote", "codec": codec, "block_tokens": bt, "concurrency": c,
+                        "error": f"{type(e).__name__}: {e}"}
+            pstore = None
+            try:
+                if r == 0 and not _remote_put_direct(gstore, bb):
+                    put_via = "DRAM write-through"
+                if put_via != "no local tier":  # DRAM as large as the run, in front, written through
+                    slot = (bb + 4095) // 4096 * 4096
+                    pstore = _remote_store(a, c, codec, fp, bb, bt, dram_bytes=n * slot + (1 << 20))
+                else:
+                    pstore = gstore
+                keys = chain_keys(gstore.root, np.arange(n * bt) % 50000 + r, bt)
+                names = [gstore.remote.redis_key(k) for k in keys]
+                raw_names = [b"raw:{" + tag + b".%02x}:" % (i & 255) + b"%032x" % (r << 40 | i) for i in range(n)]
+                # raw SET (the put's limit)
+                t, lat = _run_op(raw_set, raw_names, values, a.batch, c)
+                lim["put"].append(t)
+                raw_lat_put += lat
+                # store put, up to the end of its write-through
+                w0 = pstore.remote.stats.get("bytes_written", 0)
+                t0 = time.perf_counter()
+                _t, lat = _run_op(pstore.put, keys, src, a.batch, c)
+                pstore.flush()
+                put_t.append(time.perf_counter() - t0)
+                put_l += lat
+                written.append(pstore.remote.stats.get("bytes_written", 0) - w0)
+                # raw GET (the get's limit)
+                t, lat = _run_op(raw_get, raw_names, out, a.batch, c)
+                lim["get"].append(t)
+                raw_lat_get += lat
+                # store get (no local tier: every block from Redis)
+                out[:] = 0
+                t, lat = _run_op(gstore.get, keys, out, a.batch, c, got)
+                get_t.append(t)
+                get_l += lat
+                v = _verify(out, src, codec) if got[-1] == n else False
+                ok = False if (ok is False or v is False) else (None if (ok is None or v is None) else True)
+                _unlink(client, raw_names + names)
+            except Exception as e:
+                bar.advance(task, a.repeats - r)
+                return {"tier": "remote", "codec": codec, "block_tokens": bt, "concurrency": c,
+                        "error": f"{type(e).__name__}: {e}"}
+            finally:
+                if pstore is not None and pstore is not gstore:
+                    pstore.close(persist=False)
+                gstore.close(persist=False)
+            bar.advance(task)
+    finally:
+        client.close()
+    nbytes = n * bb
+    used = statistics.median(written) if written else 0
+    none_bytes = bb + REMOTE_HEADER
+    comp = {"stored_bytes": int(used), "disk_bytes": None, "comp_ratio": nbytes / used if used else None,
+            "capacity_gain": none_bytes * n / used if used else None,
+            "blocks_per_gb": n / used * 1e9 if used else None}
+    rows = []
+    for op, ts, lat, rlat in (("put", put_t, put_l, raw_lat_put), ("get", get_t, get_l, raw_lat_get)):
+        gbps = nbytes / statistics.median(ts) / 1e9
+        limit = nbytes / statistics.median(lim[op]) / 1e9
+        name = f"redis {'SET' if op == 'put' else 'GETEX'} x{c}"
+        rows.append({"tier": "remote", "op": op, "codec": codec, "block_tokens": bt, "block_bytes": bb,
+                     "concurrency": c, "gbps": gbps, "limit": name, "limit_gbps": limit, "ratio": gbps / limit,
+                     "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "verified": ok, **comp,
+                     "blocks": n, "get_returned_min": min(got) if got else None,
+                     "gbps_runs": [nbytes / t / 1e9 for t in ts], "limit_runs": [nbytes / t / 1e9 for t in lim[op]],
+                     "limit_alt_runs": [], "limit_p50_ms": _pct(rlat, 0.5), "limit_p99_ms": _pct(rlat, 0.99),
+                     "limit_bad_values": raw_bad[0], "put_via": put_via if op == "put" else "no local tier"})
+    return {"rows": rows}
+
+
 def _files_bytes(root) -> int:
     """Sum of the sizes of the block files under an NVMe tier folder."""
     import os
@@ -365,6 +591,15 @@ def render(data: dict) -> str:
     out = head + "\n" + markdown_table(rows, cols, ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s",
                                                     "limit", "limit GB/s", "ratio", "comp", "cap x", "p50 ms",
                                                     "p99 ms", "bytes ok"])
+    remote = [r for r in data["results"] if r["tier"] == "remote"]
+    if remote:
+        out += ("\n\nremote: limit = raw pipelined SET PX / GETEX PX of values of the store's size (block + "
+                f"{REMOTE_HEADER}-byte header, built before timing), same client type, server, batch and threads; "
+                "store put timed up to flush() (write-through done); store get with no local tier.")
+        via = sorted({r["put_via"] for r in remote if r["op"] == "put"} - {"no local tier"})
+        if via:
+            out += (f"\nremote put measured through {', '.join(via)}: a put into a store with no local tier stored "
+                    "nothing in Redis (the store writes Redis only as a write-through of a local tier).")
     if data.get("skipped"):
         seen = set()
         notes = []
@@ -387,7 +622,7 @@ def plot(data: dict, folder: str) -> list[str]:
 
     os.makedirs(folder, exist_ok=True)
     paths = []
-    tiers = [t for t in ("dram", "nvme") if any(r["tier"] == t for r in data["results"])]
+    tiers = [t for t in ("dram", "nvme", "remote") if any(r["tier"] == t for r in data["results"])]
     if not tiers:
         return paths
     fig, axes = plt.subplots(len(tiers), 1, figsize=(11, 3.6 * len(tiers)), squeeze=False)

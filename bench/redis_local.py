@@ -1,0 +1,140 @@
+"""A private ``redis-server`` for benchmarks (used when a bench is given no ``--redis-url``).
+
+    with start() as r:          # a free loopback port, a temp folder, no persistence
+        r.url                   # redis://127.0.0.1:PORT
+        r.password              # None, or what --requirepass was given
+    # stopped (terminate + wait), its temp folder removed
+
+The server listens on 127.0.0.1 only, keeps nothing on disk (``--save "" --appendonly no``) and
+dies with the process that started it (PR_SET_PDEATHSIG) or at its exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+_LIVE: set["LocalRedis"] = set()
+
+
+def redis_server_path() -> str | None:
+    return shutil.which("redis-server") or (("/usr/bin/redis-server") if os.path.exists("/usr/bin/redis-server")
+                                            else None)
+
+
+def available() -> bool:
+    return redis_server_path() is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # in the child before exec: no orphan server if the bench is killed
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalRedis:
+    def __init__(self, folder: str | Path | None = None, port: int | None = None, password: str | None = None,
+                 maxmemory: int | str | None = None):
+        exe = redis_server_path()
+        if exe is None:
+            raise RuntimeError("redis-server is not on PATH (install redis-server or valkey, or pass --redis-url)")
+        self._tmp = None
+        if folder is None:
+            self._tmp = tempfile.mkdtemp(prefix="kvstore-redis-")
+            folder = self._tmp
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = int(port) if port else _free_port()
+        self.password = password
+        self.maxmemory = maxmemory
+        self.argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                     "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log"]
+        if password:
+            self.argv += ["--requirepass", password]
+        if maxmemory is not None:
+            self.argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "volatile-lru"]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kw)
+
+    def _start(self, wait_s: float = 10.0) -> "LocalRedis":
+        import redis
+
+        self.proc = subprocess.Popen(self.argv, cwd=self.dir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        _LIVE.add(self)
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.proc.poll() is not None:
+                log = self.dir / "redis.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"redis-server on port {self.port} exited ({code}): {tail}")
+            try:
+                with self.client(socket_connect_timeout=0.2, socket_timeout=1) as c:
+                    if c.ping():
+                        return self
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Terminate the server and wait for it; remove the temp folder made for it."""
+        p, self.proc = self.proc, None
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        _LIVE.discard(self)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "LocalRedis":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<LocalRedis {self.url} dir={self.dir}>"
+
+
+def start(folder: str | Path | None = None, port: int | None = None, password: str | None = None,
+          maxmemory: int | str | None = None) -> LocalRedis:
+    """Start a private redis-server (free loopback port, temp folder unless ``folder``) and wait for PING."""
+    return LocalRedis(folder, port, password, maxmemory)._start()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for r in list(_LIVE):
+        r.stop()
