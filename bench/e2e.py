@@ -402,7 +402,7 @@ def _spawn_job(name: str, job: dict, folder: str, password: str | None) -> dict:
     import subprocess
     import sys
 
-    from bench.redis_local import _die_with_parent
+    from bench.redis_local import die_with_parent
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
@@ -417,7 +417,7 @@ def _spawn_job(name: str, job: dict, folder: str, password: str | None) -> dict:
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "bench.e2e", "--_engine-job", path], cwd=root, env=env,
                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             preexec_fn=_die_with_parent)  # no orphan engine if the bench is killed
+                             preexec_fn=die_with_parent)  # no orphan engine if the bench is killed
         try:
             rc = p.wait(timeout=3600)
         except BaseException:

@@ -34,17 +34,53 @@ def available() -> bool:
     return redis_server_path() is not None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # in the child before exec: no orphan server if the bench is killed
+def die_with_parent() -> None:  # in the child before exec: no orphan server if its parent is killed
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def server_argv(exe: str, port: int, folder: str | Path, *, password: str | None = None,
+                maxmemory: int | str | None = None, policy: str = "volatile-lru") -> list[str]:
+    """A redis-server on 127.0.0.1:``port`` that keeps nothing on disk, logging to ``folder``/redis.log."""
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", "",
+            "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log"]
+    if password:
+        argv += ["--requirepass", password]
+    if maxmemory is not None:
+        argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", policy]
+    return argv
+
+
+def launch(argv: list[str], folder: str | Path, ping, wait_s: float = 10.0) -> subprocess.Popen:
+    """Start ``argv`` in ``folder`` and wait until ``ping()`` answers; a server that exits (its
+    log's tail in the error) or does not answer in ``wait_s`` is killed and raises."""
+    import redis
+
+    proc = subprocess.Popen(argv, cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if proc.poll() is not None:
+            log = Path(folder) / "redis.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"redis-server ({' '.join(argv[1:3])}) exited ({proc.returncode}): {tail}")
+        try:
+            if ping():
+                return proc
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise
+        time.sleep(0.02)
 
 
 class LocalRedis:
@@ -59,15 +95,10 @@ class LocalRedis:
             folder = self._tmp
         self.dir = Path(folder)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = int(port) if port else _free_port()
+        self.port = int(port) if port else free_port()
         self.password = password
         self.maxmemory = maxmemory
-        self.argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                     "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log"]
-        if password:
-            self.argv += ["--requirepass", password]
-        if maxmemory is not None:
-            self.argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "volatile-lru"]
+        self.argv = server_argv(exe, self.port, self.dir, password=password, maxmemory=maxmemory)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -80,28 +111,17 @@ class LocalRedis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kw)
 
     def _start(self, wait_s: float = 10.0) -> "LocalRedis":
-        import redis
+        def ping() -> bool:
+            with self.client(socket_connect_timeout=0.2, socket_timeout=1) as c:
+                return c.ping()
 
-        self.proc = subprocess.Popen(self.argv, cwd=self.dir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        try:
+            self.proc = launch(self.argv, self.dir, ping, wait_s)
+        except BaseException:
+            self.stop()
+            raise
         _LIVE.add(self)
-        deadline = time.monotonic() + wait_s
-        while True:
-            if self.proc.poll() is not None:
-                log = self.dir / "redis.log"
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} exited ({code}): {tail}")
-            try:
-                with self.client(socket_connect_timeout=0.2, socket_timeout=1) as c:
-                    if c.ping():
-                        return self
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise
-            time.sleep(0.02)
+        return self
 
     def stop(self) -> None:
         """Terminate the server and wait for it; remove the temp folder made for it."""

@@ -21,11 +21,8 @@ Everything is skipped cleanly where ``redis-server`` is not on PATH.
 from __future__ import annotations
 
 import atexit
-import ctypes
-import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -33,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from bench.redis_local import free_port, launch, server_argv
 
 _LIVE: set["Server"] = set()
 
@@ -56,22 +55,13 @@ def _bindable(port: int) -> bool:
 def _free_port(cluster: bool = False) -> int:
     """A free loopback port; for a cluster node one <= 55535 whose bus port (+10000) is free too."""
     if not cluster:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return free_port()
     rng = secrets.SystemRandom()
     for _ in range(1000):
         port = rng.randrange(20000, 45000)
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
-
-
-def _die_with_parent() -> None:  # runs in the child before exec: no orphan if pytest is killed
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Server:
@@ -94,39 +84,20 @@ class Server:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, **kw)
 
     def _argv(self) -> list[str]:
-        argv = [_require("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log",
-                "--enable-debug-command", "local"]  # DEBUG SLEEP: a slow server on demand
-        if self.password:
-            argv += ["--requirepass", self.password]
-            if self.cluster:
-                argv += ["--masterauth", self.password]
-        if self.maxmemory is not None:
-            argv += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", "noeviction"]
+        argv = server_argv(_require("redis-server"), self.port, self.dir, password=self.password,
+                           maxmemory=self.maxmemory, policy="noeviction")
+        argv += ["--enable-debug-command", "local"]  # DEBUG SLEEP: a slow server on demand
+        if self.password and self.cluster:
+            argv += ["--masterauth", self.password]
         if self.cluster:
             argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-node-timeout", "2000"]
         return argv
 
     def start(self, wait_s: float = 10.0) -> "Server":
-        self.proc = subprocess.Popen(self._argv(), cwd=self.dir, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
+        self.proc = launch(self._argv(), self.dir, lambda: self.client(socket_connect_timeout=0.2).ping(), wait_s)
         _LIVE.add(self)
-        deadline = time.monotonic() + wait_s
-        while True:
-            if self.proc.poll() is not None:
-                log = (self.dir / "redis.log")
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"redis-server on port {self.port} exited ({self.proc.returncode}): {tail}")
-            try:
-                if self.client(socket_connect_timeout=0.2).ping():
-                    return self
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise
-            time.sleep(0.02)
+        return self
 
     def kill(self) -> None:
         """SIGKILL, no goodbye (a crash)."""
