@@ -32,10 +32,22 @@ ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
 
 
 class RemotePath:
-    def _open_remote(self, rcfg, fingerprint, kv_dtype, group_elems) -> None:
-        """Connect to the remote tier. A refused password is an error now (a clear one, naming the
-        variable to set); an unreachable server is a warning: the store starts on its local tiers
-        and the tier retries (with backoff) on later calls."""
+    def _open_remote(self, fingerprint, kv_dtype, group_elems) -> None:
+        """Set ``self.remote`` (None when ``tiers.remote.url`` is null). A refused password is an
+        error now (a clear one, naming the variable to set; the store is closed); an unreachable
+        server is a warning: the store starts on its local tiers and the tier retries (with
+        backoff) on later calls."""
+        self.remote = None
+        rcfg = self.config.tiers.remote
+        if not rcfg.enabled:
+            return
+        try:
+            self._connect_remote(rcfg, fingerprint, kv_dtype, group_elems)
+        except BaseException:
+            self.close(persist=False)
+            raise
+
+    def _connect_remote(self, rcfg, fingerprint, kv_dtype, group_elems) -> None:
         from kvstore.tiers.remote import RemoteAuthError, RemoteTier, RemoteUnavailable
 
         # its namespace, as NVMe's: the model fingerprint + this tier's codec (the same bytes as

@@ -128,13 +128,7 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
         self._corrupt_synced: dict[str, int] = {}
         self._closed = False
         self._demoter = Demoter(self)
-        self.remote = None  # the shared tier (Redis / Valkey): consulted after the local ones
-        if self.config.tiers.remote.enabled:
-            try:
-                self._open_remote(self.config.tiers.remote, fingerprint, kv_dtype, group_elems)
-            except BaseException:
-                self.close(persist=False)
-                raise
+        self._open_remote(fingerprint, kv_dtype, group_elems)  # self.remote: None unless configured
         self.metrics.demoting.set_function(lambda: len(self._demoter))
         for t in self.tiers:
             # read at scrape time: a full disk lowers NVMe's, DRAM's grows as its pool is prepared
@@ -169,10 +163,8 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
             if t is None:
                 break
             tiers.append(t)
+        tiers += ["remote"] * self._remote_extend(keys, len(tiers))  # the shared tier, asked last
         n = len(tiers)
-        m = self._remote_extend(keys, n)
-        tiers += ["remote"] * m
-        n += m
         reason = None
         if not keys:
             reason = "below_min"
