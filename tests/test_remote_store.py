@@ -37,6 +37,16 @@ def M(s, name, **labels):
     return s.metrics.value(name, **labels)
 
 
+@pytest.fixture
+def pair(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    """Two stores with their own DRAM and NVMe folders sharing one password-protected Redis."""
+    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", redis_single)
+    yield a, b
+    a.close()
+    b.close()
+
+
 @pytest.fixture(params=["single", "cluster"])
 def server(request, redis_single, redis_cluster):  # noqa: F811
     return redis_single if request.param == "single" else redis_cluster
@@ -63,67 +73,52 @@ def test_one_store_writes_the_other_hits(tmp_path, server, monkeypatch):
         b.close()
 
 
-def test_lookup_continues_past_the_local_tiers(tmp_path, redis_single, monkeypatch):  # noqa: F811
+def test_lookup_continues_past_the_local_tiers(pair):
     keys = make_keys(6, seed=3)
-    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
-    b = _store(tmp_path, "b", redis_single)
-    try:
-        a.put(keys, blocks_for(keys))
-        a.flush()
-        b.put(keys[:2], blocks_for(keys[:2]))  # b computed the first two itself
-        assert b.contains_prefix(keys).tiers == ("dram", "dram", "remote", "remote", "remote", "remote")
-        out = np.zeros((6, BLOCK), np.uint8)
-        assert b.get(keys, out) == 6 and np.array_equal(out, blocks_for(keys))
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    a.put(keys, blocks_for(keys))
+    a.flush()
+    b.put(keys[:2], blocks_for(keys[:2]))  # b computed the first two itself
+    assert b.contains_prefix(keys).tiers == ("dram", "dram", "remote", "remote", "remote", "remote")
+    out = np.zeros((6, BLOCK), np.uint8)
+    assert b.get(keys, out) == 6 and np.array_equal(out, blocks_for(keys))
 
 
-def test_keys_evicted_between_lookup_and_load_are_a_miss(tmp_path, redis_single, monkeypatch):  # noqa: F811
+def test_keys_evicted_between_lookup_and_load_are_a_miss(pair, redis_single):  # noqa: F811
     keys = make_keys(6, seed=4)
-    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
-    b = _store(tmp_path, "b", redis_single)
-    try:
-        a.put(keys, blocks_for(keys))
-        a.flush()
-        h = b.pin_load(keys)  # the scheduler's side: 6 remote blocks promised
-        assert h.num_blocks == 6 and set(h.tier_of) == {"remote"}
-        redis_single.client().delete(a.remote.redis_key(keys[3]))  # Redis evicts one meanwhile
-        assert b.read_load(h) == 3  # the prefix ends there: blocks 3.. are recomputed
-        assert all(np.array_equal(v, x) for v, x in zip(h.views, blocks_for(keys[:3])))
-        b.end_load(h)
-        assert M(b, "kvstore_tier_errors_total", tier="remote", op="read") == 1
-        # nothing stored for the lost block; what b holds past it (read whole in the same
-        # pipeline, promoted) is the right bytes, unreachable until block 3 is stored again
-        assert b.contains_prefix(keys).num_blocks == 3 and not b.dram.contains(keys[3])
-        for k in keys[4:]:
-            if b.dram.contains(k):
-                one = np.zeros((1, BLOCK), np.uint8)
-                assert b.dram.get([k], one) == [True] and np.array_equal(one[0], blocks_for([k])[0])
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    a.put(keys, blocks_for(keys))
+    a.flush()
+    h = b.pin_load(keys)  # the scheduler's side: 6 remote blocks promised
+    assert h.num_blocks == 6 and set(h.tier_of) == {"remote"}
+    redis_single.client().delete(a.remote.redis_key(keys[3]))  # Redis evicts one meanwhile
+    assert b.read_load(h) == 3  # the prefix ends there: blocks 3.. are recomputed
+    assert all(np.array_equal(v, x) for v, x in zip(h.views, blocks_for(keys[:3])))
+    b.end_load(h)
+    assert M(b, "kvstore_tier_errors_total", tier="remote", op="read") == 1
+    # nothing stored for the lost block; what b holds past it (read whole in the same
+    # pipeline, promoted) is the right bytes, unreachable until block 3 is stored again
+    assert b.contains_prefix(keys).num_blocks == 3 and not b.dram.contains(keys[3])
+    for k in keys[4:]:
+        if b.dram.contains(k):
+            one = np.zeros((1, BLOCK), np.uint8)
+            assert b.dram.get([k], one) == [True] and np.array_equal(one[0], blocks_for([k])[0])
 
 
-def test_corrupt_values_are_counted_misses_and_deleted(tmp_path, redis_single, monkeypatch):  # noqa: F811
+def test_corrupt_values_are_counted_misses_and_deleted(pair, redis_single):  # noqa: F811
     keys = make_keys(3, seed=5)
-    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
-    b = _store(tmp_path, "b", redis_single)
-    try:
-        a.put(keys, blocks_for(keys))
-        a.flush()
-        c = redis_single.client()
-        name = a.remote.redis_key(keys[1])
-        v = bytearray(c.get(name))
-        v[-1] ^= 0xFF  # one payload byte
-        c.set(name, bytes(v))
-        out = np.zeros((3, BLOCK), np.uint8)
-        assert b.get(keys, out) == 1 and np.array_equal(out[0], blocks_for(keys[:1])[0])
-        assert M(b, "kvstore_corrupt_files_total", tier="remote", reason="checksum") == 1
-        assert c.exists(name) == 0  # deleted: the next engine computes and stores it again
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    a.put(keys, blocks_for(keys))
+    a.flush()
+    c = redis_single.client()
+    name = a.remote.redis_key(keys[1])
+    v = bytearray(c.get(name))
+    v[-1] ^= 0xFF  # one payload byte
+    c.set(name, bytes(v))
+    out = np.zeros((3, BLOCK), np.uint8)
+    assert b.get(keys, out) == 1 and np.array_equal(out[0], blocks_for(keys[:1])[0])
+    assert M(b, "kvstore_corrupt_files_total", tier="remote", reason="checksum") == 1
+    assert c.exists(name) == 0  # deleted: the next engine computes and stores it again
 
 
 def test_server_killed_is_a_miss_and_hits_resume_after_restart(tmp_path, redis_launcher, monkeypatch):  # noqa: F811
@@ -195,19 +190,14 @@ def test_credentials_never_in_the_config():
         from_dict({"tiers": {"remote": {"url": ["redis://a:1", "redis://b:1"]}}})
 
 
-def test_prefetch_promotes_remote_blocks_into_dram(tmp_path, redis_single, monkeypatch):  # noqa: F811
+def test_prefetch_promotes_remote_blocks_into_dram(pair):
     """The first design's path (io.async_loads false): the scheduler prefetches a remote prefix
     into DRAM and answers "ask again"; the next lookup is a DRAM hit."""
     keys = make_keys(5, seed=8)
-    a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
-    b = _store(tmp_path, "b", redis_single)
-    try:
-        a.put(keys, blocks_for(keys))
-        a.flush()
-        assert b.prefetch(keys).result(timeout=30) == 5
-        assert b.contains_prefix(keys).tiers == ("dram",) * 5
-        out = np.zeros((5, BLOCK), np.uint8)
-        assert b.get(keys, out) == 5 and np.array_equal(out, blocks_for(keys))
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    a.put(keys, blocks_for(keys))
+    a.flush()
+    assert b.prefetch(keys).result(timeout=30) == 5
+    assert b.contains_prefix(keys).tiers == ("dram",) * 5
+    out = np.zeros((5, BLOCK), np.uint8)
+    assert b.get(keys, out) == 5 and np.array_equal(out, blocks_for(keys))
