@@ -9,6 +9,7 @@ Schema (public; the tuner writes it, the connector reads it)::
     io: {async_saves, async_loads}
     metrics: {port}
     trace_path: null
+    trace_tokens: false
 
 Sizes are GiB (2**30 bytes). ``ttl_s`` is an idle time: an entry expires ``ttl_s`` seconds
 after it was last stored or hit (null = never). ``ttl_shared_s`` is the idle TTL of a block hit by
@@ -197,6 +198,7 @@ class StoreConfig:
     io: IoConfig = field(default_factory=IoConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     trace_path: str | None = None
+    trace_tokens: bool = False  # the trace keeps each prompt's token ids (opt-in: prompts can be private)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -319,6 +321,7 @@ def from_dict(data: Mapping | None) -> StoreConfig:
                     async_loads=_choice("io.async_loads", io.get("async_loads", True), (True, False))),
         metrics=MetricsConfig(port=_int("metrics.port", metrics.get("port"), minimum=1, maximum=65535, allow_none=True)),
         trace_path=trace,
+        trace_tokens=_choice("trace_tokens", data.get("trace_tokens", False), (True, False)),
     )
 
 
