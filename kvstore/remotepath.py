@@ -25,6 +25,7 @@ from kvstore import placement
 from kvstore.codecs import make_codec
 from kvstore.fileformat import CODEC_IDS
 from kvstore.index import Entry
+from kvstore.tiers.presence import Presence
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
 
 class RemotePath:
     def _open_remote(self, fingerprint, kv_dtype, group_elems) -> None:
-        """Set ``self.remote`` (None when ``tiers.remote.url`` is null). A refused password is an
-        error now (a clear one, naming the variable to set; the store is closed); an unreachable
+        """Set ``self.remote`` (None when ``tiers.remote.url`` is null). A refused password or an
+        untrusted TLS certificate is an error now (a clear one, naming the variable to set; the
+        store is closed); an unreachable
         server is a warning: the store starts on its local tiers and the tier retries (with
         backoff) on later calls."""
         self.remote = None
@@ -48,7 +50,7 @@ class RemotePath:
             raise
 
     def _connect_remote(self, rcfg, fingerprint, kv_dtype, group_elems) -> None:
-        from kvstore.tiers.remote import RemoteAuthError, RemoteTier, RemoteUnavailable
+        from kvstore.tiers.remote import RemoteAuthError, RemoteTier, RemoteTLSError, RemoteUnavailable
 
         # its namespace, as NVMe's: the model fingerprint + this tier's codec (the same bytes as
         # NVMe's when the codecs match); every engine of one model and codec shares it
@@ -63,7 +65,7 @@ class RemotePath:
                                  password=os.environ.get(ENV_PASSWORD) or None)
         try:
             self.remote.check()
-        except RemoteAuthError:
+        except (RemoteAuthError, RemoteTLSError):
             self.remote.close()
             self.remote = None
             raise
@@ -71,15 +73,16 @@ class RemotePath:
             log.warning("kvstore: remote tier %s unreachable at start-up (%s); serving from the local tiers, "
                         "retrying later", self.remote.url, e)
         self._remote_synced: dict[str, float] = {}
+        self._presence = Presence(time.monotonic)
         self.metrics.remote_up.set_function(lambda: 1.0 if self.remote.available else 0.0)
 
     # -- lookups ---------------------------------------------------------------------------------
     def _remote_extend(self, keys: Sequence[bytes], n: int) -> int:
-        """How many of ``keys[n:]`` follow the local prefix in the remote tier (one pipeline)."""
+        """How many of ``keys[n:]`` follow the local prefix in the remote tier (at most two
+        pipelines, none when this request's lookup asked a moment ago)."""
         if self.remote is None or n >= len(keys):
             return 0
-        got = self.remote.exists(keys[n:])
-        m = next((i for i, ok in enumerate(got) if not ok), len(got))
+        m = self._presence.walk(keys[n:], self.remote.exists)  # one ask per request (see .tiers.presence)
         self._sync_remote_metrics()
         return m
 
@@ -112,6 +115,7 @@ class RemotePath:
                 dram.commit([de], [ok], keep_pinned=True)  # pinned for the caller until end_load
             out.append((dst[: self.block_bytes] if ok else None, de if ok else None, ok))
         n_ok = sum(oks)
+        self._presence.forget([k for k, ok in zip(keys, oks) if not ok])
         self.metrics.bytes_out.labels("remote").inc(n_ok * self.block_bytes)
         promoted = sum(1 for _, de, _ in out if de is not None)
         self.metrics.promotions.inc(promoted)
@@ -139,16 +143,10 @@ class RemotePath:
         def job() -> None:
             t0 = time.perf_counter()
             try:
-                oks = self.remote.put(keys, views)
-                n = sum(oks)
-                self.metrics.bytes_in.labels("remote").inc(n * self.block_bytes)
-                if len(oks) - n:
-                    self.metrics.failed.labels("remote", "write").inc(len(oks) - n)
-                self.metrics.put_latency.labels("remote").observe(time.perf_counter() - t0)
+                self._count_remote_put(keys, self.remote.put(keys, views), t0)
             finally:
                 if pinned:
                     dram.release(pinned)
-                self._sync_remote_metrics()
 
         if keys:
             self._submit(job)
@@ -174,6 +172,7 @@ class RemotePath:
             self.metrics.failed.labels("remote", "write").inc(len(res) - n)
         self.metrics.put_latency.labels("remote").observe(time.perf_counter() - t0)
         self._forget_gone([k for k, r in zip(keys, res) if r])
+        self._presence.stored([k for k, r in zip(keys, res) if r])
         self._sync_remote_metrics()
         return n
 

@@ -201,3 +201,33 @@ def test_prefetch_promotes_remote_blocks_into_dram(pair):
     assert b.contains_prefix(keys).tiers == ("dram",) * 5
     out = np.zeros((5, BLOCK), np.uint8)
     assert b.get(keys, out) == 5 and np.array_equal(out, blocks_for(keys))
+
+
+def _exists_calls(server) -> int:
+    return int(server.client().info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+
+def test_a_request_asks_redis_once_and_a_miss_asks_a_few_keys(pair, redis_single):  # noqa: F811
+    """The lookup's EXISTS answer is reused by the pin of the same request (the scheduler asks
+    twice, milliseconds apart); a prompt Redis does not hold costs a probe of 16 keys, not 200."""
+    a, b = pair
+    keys = make_keys(12, seed=21)
+    a.put(keys, blocks_for(keys))
+    a.flush()
+    e0 = _exists_calls(redis_single)
+    assert b.contains_prefix(keys).num_blocks == 12
+    h = b.pin_load(keys)
+    assert h.num_blocks == 12 and set(h.tier_of) == {"remote"}
+    assert _exists_calls(redis_single) - e0 == 12  # once per key, not twice
+    assert b.read_load(h) == 12
+    b.end_load(h)
+    fresh = make_keys(200, seed=22)
+    e0 = _exists_calls(redis_single)
+    assert b.contains_prefix(fresh).num_blocks == 0 and b.pin_load(fresh).num_blocks == 0
+    assert _exists_calls(redis_single) - e0 == 16  # the probe, then the memo's "absent"
+    # what this engine writes through is known present without asking
+    b2 = make_keys(3, seed=23)
+    b.put(b2, blocks_for(b2))
+    b.flush()
+    e0 = _exists_calls(redis_single)
+    assert b._remote_extend(b2, 0) == 3 and _exists_calls(redis_single) == e0

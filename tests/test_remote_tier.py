@@ -44,16 +44,17 @@ def outs_for(n: int, bb: int = BB):
 
 
 class CountPipelines:
-    """Counts redis-py pipeline executions (the calls still go to the real server)."""
+    """Counts the batches sent to the servers, one per pipeline (redis-py's, or the tier's own
+    SET pipeline): each is one ``send_packed_command`` (the calls still go to the real server)."""
 
     def __init__(self, monkeypatch):
         self.n = 0
-        orig = redis.client.Pipeline.execute
+        orig = redis.connection.Connection.send_packed_command
 
-        def execute(pipe, *a, **kw):
+        def send(conn, *a, **kw):
             self.n += 1
-            return orig(pipe, *a, **kw)
-        monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+            return orig(conn, *a, **kw)
+        monkeypatch.setattr(redis.connection.Connection, "send_packed_command", send)
 
 
 def test_round_trip_single_one_pipeline(redis_single, monkeypatch):

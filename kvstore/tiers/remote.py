@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ from redis.retry import Retry
 from kvstore import fileformat as ff
 from kvstore.codecs import Codec
 from kvstore.keys import KEY_BYTES
+from kvstore.tiers.setpipe import SetPipeline
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,23 @@ class RemoteUnavailable(RemoteError):
 
 class RemoteAuthError(RemoteError):
     """The server refused the credentials (or wants some)."""
+
+
+class RemoteTLSError(RemoteError):
+    """A ``rediss://`` server whose certificate this machine does not trust (a setting to fix,
+    not an outage to wait out)."""
+
+
+def _tls_failure(e: BaseException) -> BaseException | None:
+    """The ssl error behind a connection error, if there is one (redis-py wraps it)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ssl.SSLError):
+            return e
+        if "CERTIFICATE_VERIFY_FAILED" in str(e) or "WRONG_VERSION_NUMBER" in str(e):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def _parse_url(url: str) -> tuple[str, int, int, bool, str]:
@@ -127,7 +146,7 @@ class RemoteTier:
                                      "deleted_corrupt", "skipped_down", "encode_failed")}
         self.corrupt_reasons: dict[str, int] = {}
         self._bufs: list[np.ndarray] = []  # value buffers for put, reused (see _encode)
-        self._pool_max = max(4, _POOLED_BYTES // (ff.HEADER_CORE + self.payload_max))
+        self._pool_max = max(4, _POOLED_BYTES // self.payload_max)
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
@@ -187,6 +206,10 @@ class RemoteTier:
             raise self._auth_error(e) from None
         except (*_NETWORK, RedisError) as e:
             self._failed(e)
+            if any(s[3] for s in self.seeds) and (bad := _tls_failure(e)) is not None:
+                raise RemoteTLSError(f"kvstore remote: the TLS handshake with {self.url} failed ({bad}); if its "
+                                     f"certificate is signed by a private CA, point SSL_CERT_FILE at that CA's "
+                                     f"PEM file in the engine's environment") from None
             raise RemoteUnavailable(f"kvstore remote: {self.url} is unreachable: {e}") from None
         self._succeeded()
 
@@ -223,9 +246,10 @@ class RemoteTier:
                 self.stats[stat] = self.stats.get(stat, 0) + n
 
     # -- one pipeline per server -------------------------------------------------------------------
-    def _call(self, op: str, names: Sequence[bytes], add: Callable) -> list | None:
-        """Run ``add(pipe, i)`` for every name, one pipeline per server; per-name results (an
-        exception where that command failed). None = the tier is down (skipped, or failed now)."""
+    def _call(self, op: str, names: Sequence[bytes], add: Callable, pipeline: Callable | None = None) -> list | None:
+        """Run ``add(pipe, i)`` for every name, one pipeline per server (``pipeline(node)``, else
+        redis-py's); per-name results (an exception where that command failed). None = the tier is
+        down (skipped, or failed now)."""
         if not self.available:
             self.count("skipped_down", len(names))
             return None
@@ -246,7 +270,7 @@ class RemoteTier:
 
         def run(job) -> None:
             node, ix = job
-            pipe = node.pipeline(transaction=False)
+            pipe = node.pipeline(transaction=False) if pipeline is None else pipeline(node)
             for i in ix:
                 add(pipe, i)
             try:
@@ -350,30 +374,29 @@ class RemoteTier:
         with self._lock:
             if self._bufs:
                 return self._bufs.pop()
-        return np.empty(ff.HEADER_CORE + self.payload_max, np.uint8)
+        return np.empty(self.payload_max, np.uint8)
 
     def _give_bufs(self, bufs: list[np.ndarray]) -> None:
         with self._lock:
             self._bufs.extend(bufs[: max(0, self._pool_max - len(self._bufs))])
 
-    def _encode(self, key: bytes, block: np.ndarray, buf: np.ndarray) -> memoryview | None:
-        """Header then payload, in ``buf`` (one copy of the block; a pooled buffer, so no fresh
-        pages: fresh 2 MiB values cost 3 copies and most of a put's time in page faults, measured
-        at 0.33-0.50 of a raw pipelined SET before this). redis-py sends a memoryview as it is."""
-        src = block.reshape(-1)[: self.block_bytes]
-        body = buf[ff.HEADER_CORE:]
+    def _encode(self, key: bytes, block: np.ndarray, buf: np.ndarray) -> tuple[bytes, memoryview] | None:
+        """(header, payload): without a codec the payload is the block's own memory (no copy, see
+        :mod:`.setpipe`), else its encoding in ``buf`` (a pooled buffer, so no fresh pages: fresh
+        2 MiB values cost most of a put's time in page faults, 0.33-0.50 of a raw SET)."""
+        src = np.ascontiguousarray(block.reshape(-1)[: self.block_bytes])
         if self.codec is None:
-            np.copyto(body[: self.block_bytes], src, casting="no")
-            plen = self.block_bytes
+            assert src.dtype == np.uint8 and src.nbytes == self.block_bytes, (src.dtype, src.nbytes)
+            payload = src
         else:
             try:
-                plen = self.codec.encode(src, body)
+                plen = self.codec.encode(src, buf)
             except ValueError as e:
                 log.warning("kvstore remote: %s encode failed: %s", self.codec.name, e)
                 return None
-        h = ff.Header(self.codec_id, plen, ff.checksum(body[:plen]), time.time(), self.namespace, key)
-        buf[: ff.HEADER_CORE] = np.frombuffer(ff.header_bytes(h), np.uint8)
-        return memoryview(buf[: ff.HEADER_CORE + plen])
+            payload = buf[:plen]
+        h = ff.Header(self.codec_id, payload.nbytes, ff.checksum(payload), time.time(), self.namespace, key)
+        return ff.header_bytes(h), memoryview(payload)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray]) -> list[bool]:
         """Store each block, overwriting: in one namespace a key names the same bytes in every engine."""
@@ -382,19 +405,19 @@ class RemoteTier:
         if not self.available:  # do not encode what will not be sent
             self.count("skipped_down", len(keys))
             return oks
-        bufs = [self._take_buf() for _ in keys]
+        bufs = [self._take_buf() for _ in keys] if self.codec is not None else []
         try:
-            values = [self._encode(k, b, buf) for k, b, buf in zip(keys, blocks, bufs)]
+            values = [self._encode(k, b, buf) for k, b, buf in zip(keys, blocks, bufs or [None] * len(keys))]
             self.count("encode_failed", sum(v is None for v in values))
             todo = [i for i, v in enumerate(values) if v is not None]
             if not todo:
                 return oks
             res = self._call("put", [names[i] for i in todo],
-                             lambda p, j: p.set(names[todo[j]], values[todo[j]], px=self.ttl_ms))
+                             lambda p, j: p.set(names[todo[j]], *values[todo[j]], px=self.ttl_ms), SetPipeline)
             for j, r in enumerate(res or []):
                 if r is True:
                     oks[todo[j]] = True
-                    self.count("bytes_written", values[todo[j]].nbytes)
+                    self.count("bytes_written", len(values[todo[j]][0]) + values[todo[j]][1].nbytes)
         finally:
             values = None  # the memoryviews are released before their buffers are reused
             self._give_bufs(bufs)
