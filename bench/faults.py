@@ -428,7 +428,7 @@ def damages(outside: Path) -> dict[str, Callable]:
 def corruption(folder, *, rounds: int = 1, seed: int = 0, block_bytes: int = 16384,
                advance: Callable[[], None] | None = None) -> dict:
     """Every damage, at read time and at the start-up scan, for each header layout."""
-    from kvstore.tiers.nvme import probe_xattr
+    from kvstore.tiers.folder import probe_xattr
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -583,7 +583,7 @@ def _meaning(raw: bytes):
 def fuzz(folder, *, inputs: int, files: int, seed: int = 0, block_bytes: int = 8192,
          advance: Callable[[int], None] | None = None) -> dict:
     """Header parser + tier checks on ``inputs`` fuzzed headers; ``files`` fuzzed real files."""
-    from kvstore.tiers.nvme import probe_xattr
+    from kvstore.tiers.folder import probe_xattr
 
     rng = random.Random(seed)
     folder = Path(folder)

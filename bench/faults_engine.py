@@ -194,7 +194,7 @@ def damage(files: list[Path], how: str) -> int:
 def payloads(store: str) -> dict[bytes, np.ndarray]:
     """Every valid block file's payload, by key (header and checksum checked)."""
     from kvstore import fileformat as ff
-    from kvstore.tiers.nvme import read_header
+    from kvstore.tiers.folder import read_header
 
     out = {}
     for f in Path(store).glob("kvstore-*/??/??/*.kvb"):

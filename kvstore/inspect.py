@@ -13,7 +13,7 @@ AGE_BUCKETS = ((60, "<1m"), (600, "1m-10m"), (3600, "10m-1h"), (86400, "1h-1d"),
 
 def inspect_folder(path: str, now: float | None = None) -> dict:
     """Summarize every ``kvstore-<namespace>`` folder under ``path`` (no payload is read)."""
-    from kvstore.tiers.nvme import read_header
+    from kvstore.tiers.folder import read_header
 
     now = time.time() if now is None else now
     out: dict = {"path": os.path.abspath(path), "namespaces": {}, "blocks": 0, "bytes": 0, "bad_files": 0,

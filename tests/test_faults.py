@@ -120,7 +120,7 @@ def test_a_fifo_where_a_block_file_was_does_not_hang(make_store, o_direct):
     assert len(s2.nvme) == 1 and stat.S_ISFIFO(os.lstat(q).st_mode)
     assert s2.metrics.value("kvstore_corrupt_files_total", tier="nvme", reason="not_a_file") == 1
     with F.alarm(10):
-        from kvstore.tiers.nvme import read_header
+        from kvstore.tiers.folder import read_header
 
         with pytest.raises(ff.BadBlockFile):
             read_header(q)

@@ -447,7 +447,7 @@ def test_block_file_format_is_plain_struct(make_store):
 
 
 def test_read_header_helper(make_store, outside):
-    from kvstore.tiers.nvme import read_header
+    from kvstore.tiers.folder import read_header
 
     s = nvme_only(make_store)
     k = one_key(3)

@@ -229,7 +229,7 @@ def temp_files(store: Path) -> list[Path]:
 
 def check_store_folder(store: Path, namespace: str, keys: list[bytes]) -> None:
     """Every key's block file is there under its own key, private modes, nothing half-written."""
-    from kvstore.tiers.nvme import read_header
+    from kvstore.tiers.folder import read_header
 
     assert temp_files(store) == [], f"temporary files left behind: {temp_files(store)[:5]}"
     missing = [k.hex() for k in keys if not block_path(store, namespace, k).is_file()]

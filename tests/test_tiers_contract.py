@@ -12,7 +12,7 @@ from kvstore import fileformat as ff
 from kvstore.memory import alloc_aligned
 from kvstore.policy import POLICIES
 from kvstore.tiers import DramTier, NvmeTier
-from kvstore.tiers.nvme import probe_o_direct, probe_xattr
+from kvstore.tiers.folder import probe_o_direct, probe_xattr
 
 from conftest import BLOCK, ODD_BLOCK, block_for, check_tier, nvme_files, one_key
 

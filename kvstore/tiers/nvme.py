@@ -11,9 +11,8 @@ at start-up from the headers only, oldest first (file mtime = the entry's last a
 tier's clock), within capacity. O_DIRECT is used where the file system takes it (buffers are
 page aligned: DRAM slots directly, else a bounce buffer).
 
-Symlinks are never followed inside the folder: every path below the namespace folder is
-resolved one component at a time from a folder descriptor with O_NOFOLLOW (``openat``), so a
-planted symlink (file or folder) is neither read, written nor deleted through.
+The folder's safety (no symlink followed, private modes, the probes) is :mod:`.folder`; the
+start-up scan is :mod:`.nvmescan`; this module is the medium: write, read, free.
 """
 
 from __future__ import annotations
@@ -28,160 +27,19 @@ from itertools import count
 from pathlib import Path
 from typing import Callable
 
-
 from kvstore import failpoints, fileformat as ff
 from kvstore.codecs import Codec, CodecError
 from kvstore.index import Entry
 from kvstore.memory import alloc_aligned, as_bytes as _as_bytes, is_aligned
 from kvstore.tiers.base import Tier
+from kvstore.tiers.folder import (DIR_FLAGS, O_CLOEXEC, O_DIRECT, O_NOFOLLOW, O_NONBLOCK, check_folder,
+                                  mkdir_private, open_subdir, probe_o_direct, probe_xattr)
+from kvstore.tiers.nvmescan import NvmeScan
 
 log = logging.getLogger(__name__)
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted where a file was must not block open()
-_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
-PROBE_PREFIX = ".odirect-probe."
 
-
-def probe_o_direct(folder: str | os.PathLike) -> bool:
-    """Can this folder's file system do an aligned O_DIRECT write and read?"""
-    if not _O_DIRECT:
-        return False
-    p = os.path.join(folder, f"{PROBE_PREFIX}{os.getpid()}.{threading.get_ident()}")
-    m, buf = alloc_aligned(ff.ALIGN)
-    try:
-        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_DIRECT | _O_NOFOLLOW, 0o600)
-        try:
-            os.pwritev(fd, [buf], 0)
-            return os.preadv(fd, [buf], 0) == ff.ALIGN
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-        del buf
-        m.close()
-
-
-def read_header(path: str | os.PathLike) -> ff.Header:
-    """The header of one block file, read without following a symlink and without the payload.
-
-    Raises OSError (e.g. ELOOP for a symlink) or :class:`~kvstore.fileformat.BadBlockFile`.
-    """
-    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ff.BadBlockFile("not_a_file")
-        try:
-            return ff.unpack_header(os.getxattr(fd, ff.XATTR))  # an "xattr" file
-        except OSError:
-            pass
-        buf = bytearray(ff.HEADER_BYTES)
-        n = os.preadv(fd, [buf], 0)
-    finally:
-        os.close(fd)
-    if n != ff.HEADER_BYTES:
-        raise ff.BadBlockFile("truncated", f"{n} header bytes")
-    return ff.unpack_header(buf)
-
-
-def probe_xattr(folder: str | os.PathLike) -> bool:
-    """Does this folder's file system keep user extended attributes?"""
-    if not hasattr(os, "setxattr"):
-        return False
-    p = os.path.join(folder, f"{PROBE_PREFIX}x.{os.getpid()}.{threading.get_ident()}")
-    try:
-        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_NOFOLLOW, 0o600)
-        try:
-            os.setxattr(fd, ff.XATTR, b"\x01" * ff.HEADER_CORE)
-            return os.getxattr(fd, ff.XATTR) == b"\x01" * ff.HEADER_CORE
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _mkdir_private(p: Path) -> None:
-    """mkdir with 0700, refusing symlinks and non-folders."""
-    try:
-        os.mkdir(p, 0o700)
-    except FileExistsError:
-        st = os.lstat(p)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.ENOTDIR, f"refusing non-folder or symlink in the cache: {p}") from None
-
-
-def check_folder(path: str | os.PathLike) -> Path:
-    """Create the tier's folder (0700) if missing; refuse one that is unsafe or unusable.
-
-    Refused with a :class:`~kvstore.config.ConfigError` naming ``tiers.nvme.path``: a path that
-    cannot be created or written, that is not a folder, that another user owns, or that is
-    world-writable (anyone could plant, swap or delete block files there).
-    """
-    from kvstore.config import ConfigError
-
-    key = "tiers.nvme.path"
-    base = Path(path)
-    try:
-        base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = os.stat(base)  # a configured symlink to a folder is the operator's choice
-    except OSError as e:
-        raise ConfigError(key, str(path), f"a folder this process can create and write ({e.strerror or e})") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(key, str(path), "a folder (this path is not one)")
-    me = os.geteuid()
-    if st.st_uid != me:
-        raise ConfigError(key, str(path), f"a folder owned by this user (uid {me}); it is owned by uid "
-                          f"{st.st_uid}, who could plant, swap or delete block files")
-    if st.st_mode & stat.S_IWOTH:
-        raise ConfigError(key, str(path), f"a folder that is not world-writable (its mode is "
-                          f"{stat.S_IMODE(st.st_mode):04o}: anyone could plant, swap or delete block files); "
-                          f"use a private subfolder, e.g. {os.path.join(str(path), 'kvstore')}")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ConfigError(key, str(path), "a writable folder (this one is not writable: permissions or a "
-                          "read-only file system)")
-    return base
-
-
-def _open_subdir(parent_fd: int, name: str, create: bool) -> int:
-    """A descriptor of the real folder ``name`` in ``parent_fd`` (never through a symlink)."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
-        if not create:
-            raise
-        try:
-            os.mkdir(name, 0o700, dir_fd=parent_fd)
-        except FileExistsError:
-            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-        os.chmod(fd, 0o700)  # whatever the umask
-        return fd
-
-
-class NvmeTier(Tier):
+class NvmeTier(NvmeScan, Tier):
     name = "nvme"
 
     def __init__(self, *, path: str | os.PathLike, namespace: bytes, capacity_bytes: int, ttl_s: float | None,
@@ -209,15 +67,15 @@ class NvmeTier(Tier):
                 log.warning("kvstore nvme: %s keeps no user xattrs; block headers go inline", base)
         # one layout per folder: files of the other layout are never mixed in
         self.root = base / (f"kvstore-{self.namespace.hex()[:16]}" + ("-x" if self.header == "xattr" else ""))
-        _mkdir_private(self.root)
-        self._root_fd = os.open(self.root, _DIR_FLAGS)
+        mkdir_private(self.root)
+        self._root_fd = os.open(self.root, DIR_FLAGS)
         owner = os.fstat(self._root_fd).st_uid
         if owner != os.geteuid():
             self.close()
             raise OSError(errno.EPERM, f"refusing a cache folder owned by uid {owner}: {self.root}")
         os.chmod(self._root_fd, 0o700)
         self.tmp = self.root / "tmp"
-        self._tmp_fd = _open_subdir(self._root_fd, "tmp", create=True)
+        self._tmp_fd = open_subdir(self._root_fd, "tmp", create=True)
         os.chmod(self._tmp_fd, 0o700)
         if o_direct == "auto":
             self.o_direct = probe_o_direct(self.root)
@@ -263,9 +121,9 @@ class NvmeTier(Tier):
         if self._root_fd < 0:
             raise OSError(errno.EBADF, "nvme tier is closed")
         h = key.hex()
-        d1 = _open_subdir(self._root_fd, h[:2], create)
+        d1 = open_subdir(self._root_fd, h[:2], create)
         try:
-            return _open_subdir(d1, h[2:4], create)
+            return open_subdir(d1, h[2:4], create)
         finally:
             os.close(d1)
 
@@ -279,7 +137,7 @@ class NvmeTier(Tier):
         return b[1], b[3]
 
     def _flags(self) -> int:
-        return _O_NOFOLLOW | _O_CLOEXEC | (_O_DIRECT if self.o_direct else 0)
+        return O_NOFOLLOW | O_CLOEXEC | (O_DIRECT if self.o_direct else 0)
 
     # -- medium --------------------------------------------------------------------------------
     def write(self, entry: Entry, src) -> bool:
@@ -374,7 +232,7 @@ class NvmeTier(Tier):
             return False
         try:
             try:
-                fd = os.open(name, os.O_RDONLY | self._flags() | _O_NONBLOCK, dir_fd=leaf)
+                fd = os.open(name, os.O_RDONLY | self._flags() | O_NONBLOCK, dir_fd=leaf)
             except FileNotFoundError:
                 self.count("missing")
                 return False
@@ -495,122 +353,6 @@ class NvmeTier(Tier):
             self.close()
         except Exception:
             pass
-
-    # -- start-up ------------------------------------------------------------------------------
-    def scan(self) -> None:
-        """Rebuild the index from file headers (payloads are not read), oldest first."""
-        me = os.getpid()
-        for f in os.scandir(self._tmp_fd):
-            parts = f.name.split(".")
-            try:
-                pid = int(parts[1])
-            except (IndexError, ValueError):
-                pid = -1
-            if pid == me or pid < 0 or not _pid_alive(pid):
-                try:
-                    os.unlink(f.name, dir_fd=self._tmp_fd)
-                    self.stats["tmp_removed"] += 1
-                except OSError:
-                    pass
-        found: list[tuple[float, bytes, int]] = []
-        hbuf = bytearray(ff.HEADER_BYTES)
-        for d1 in os.scandir(self._root_fd):
-            if d1.name.startswith(PROBE_PREFIX) and not d1.is_dir(follow_symlinks=False):
-                # an O_DIRECT probe left by a killed process
-                try:
-                    pid = int(d1.name[len(PROBE_PREFIX):].split(".")[0])
-                except ValueError:
-                    pid = -1
-                if pid < 0 or not _pid_alive(pid):
-                    try:
-                        os.unlink(d1.name, dir_fd=self._root_fd)
-                    except OSError:
-                        pass
-                continue
-            if d1.name == "tmp" or not d1.is_dir(follow_symlinks=False):
-                continue
-            try:
-                fd1 = os.open(d1.name, _DIR_FLAGS, dir_fd=self._root_fd)
-            except OSError:
-                continue
-            try:
-                for d2 in os.scandir(fd1):
-                    if not d2.is_dir(follow_symlinks=False):
-                        continue
-                    try:
-                        fd2 = os.open(d2.name, _DIR_FLAGS, dir_fd=fd1)
-                    except OSError:
-                        continue
-                    try:
-                        for f in os.scandir(fd2):
-                            item = self._scan_one(fd2, d1.name, d2.name, f, hbuf)
-                            if item is not None:
-                                found.append(item)
-                    finally:
-                        os.close(fd2)
-            finally:
-                os.close(fd1)
-        found.sort()
-        now = self.clock()
-        dropped: list[Entry] = []
-        with self.lock:
-            for mtime, key, nbytes in found:
-                e, ev = self.index.add_ready(key, nbytes, min(mtime, now), now)
-                dropped.extend(ev)
-                if e is None:
-                    dropped.append(Entry(key=key, nbytes=nbytes, last_access=mtime, expire_at=0.0))
-            # entries already past their TTL
-            dropped.extend(self.index.expire(now, limit=len(self.index) + 1))
-        for e in dropped:
-            self._free(e)
-        self.stats["scanned"] = len(found)
-        self.stats["dropped_at_scan"] += len(dropped)
-
-    def _scan_one(self, dir_fd: int, d1: str, d2: str, f: os.DirEntry,
-                  hbuf: bytearray) -> tuple[float, bytes, int] | None:
-        if f.is_symlink():
-            self._bad_count("symlink", f"{d1}/{d2}/{f.name}: a symlink (not followed)")
-            return None  # never followed, never deleted through
-        if not f.is_file(follow_symlinks=False):
-            self._bad_count("not_a_file", f"{d1}/{d2}/{f.name}: not a regular file (left alone)")
-            return None
-        stem = f.name[: -len(ff.SUFFIX)] if f.name.endswith(ff.SUFFIX) else ""
-        try:
-            key = bytes.fromhex(stem)
-            if len(key) != 16 or stem != key.hex():
-                raise ValueError
-        except ValueError:
-            self._bad(dir_fd, f.name, "bad_name", "not a block file name")
-            return None
-        if stem[:2] != d1 or stem[2:4] != d2:
-            self._bad(dir_fd, f.name, "misplaced", f"in {d1}/{d2}")
-            return None
-        try:
-            fd = os.open(f.name, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK, dir_fd=dir_fd)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise ff.BadBlockFile("not_a_file")
-                if st.st_size > self.file_bytes or (self.fixed_size and st.st_size != self.file_bytes):
-                    raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size")
-                if self.header == "xattr":
-                    h = self._header_of(fd)
-                else:
-                    if os.preadv(fd, [hbuf], 0) != ff.HEADER_BYTES:
-                        raise ff.BadBlockFile("truncated")
-                    h = ff.unpack_header(hbuf)
-            finally:
-                os.close(fd)
-            self._check(h, key)
-            if st.st_size != self.file_bytes_for(h.payload_len):
-                raise ff.BadBlockFile("truncated", f"{st.st_size} bytes for a {h.payload_len}-byte payload")
-        except ff.BadBlockFile as e:
-            self._bad(dir_fd, f.name, e.reason, str(e))
-            return None
-        except OSError as e:
-            self._bad(dir_fd, f.name, "read_failed", str(e))
-            return None
-        return st.st_mtime, key, st.st_size
 
 
 def _pwrite_all(fd: int, bufs: list, total: int) -> None:
