@@ -13,9 +13,8 @@ dozens of masters; one tag per namespace would put a whole model on one master. 
 pipelined per node, not per slot, so the number of slots it touches costs nothing. The full
 namespace is in the name so ``scan`` can list namespaces without reading values.
 
-A value is self-describing: the compact header of :mod:`kvstore.fileformat` (HEADER_CORE bytes:
-codec id, payload length, xxh3-64 of the payload, created, namespace, key, header checksum)
-followed by the payload (raw block bytes, or the codec's encoding). A value that fails any check
+A value is self-describing (:mod:`.remotevalue`: the block file's compact header, then the
+payload), sent without a copy of the block (:mod:`.setpipe`). A value that fails any check
 is a counted miss and is deleted; nothing read from Redis is ever unpickled. Redis SET is atomic,
 so two engines writing one key leave one whole value (the same bytes), never a torn one.
 
@@ -46,16 +45,15 @@ from redis.exceptions import (AskError, AuthenticationError, ClusterDownError, C
                               RedisClusterException, RedisError, TimeoutError as RTimeoutError)
 from redis.retry import Retry
 
-from kvstore import fileformat as ff
 from kvstore.codecs import Codec
 from kvstore.keys import KEY_BYTES
+from kvstore.tiers.remotevalue import ValueFormat
 from kvstore.tiers.setpipe import SetPipeline
 
 log = logging.getLogger(__name__)
 
 ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
 _NAME = re.compile(rb"kvs:\{([0-9a-f]{32})\.[0-9a-f]{2}\}:([0-9a-f]{32})")
-_POOLED_BYTES = 64 << 20  # value buffers kept for reuse, at most (a bigger batch allocates the rest)
 _NETWORK = (RConnectionError, RTimeoutError, RedisClusterException, OSError)  # the server, not one command
 
 
@@ -122,10 +120,7 @@ class RemoteTier:
         self._tag = b"kvs:{" + self.namespace.hex().encode() + b"."
         self.block_bytes = int(block_bytes)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self.codec = codec if codec is not None and codec.name != "none" else None
-        self.codec_id = self.codec.id if self.codec is not None else codec_id
-        self.payload_max = self.codec.encoded_bytes if self.codec is not None else self.block_bytes
-        self.fixed_size = self.codec is None or self.codec.fixed_size
+        self.values = ValueFormat(self.namespace, self.block_bytes, codec, codec_id)
         timeout = timeout_ms / 1000
         # no retries inside redis-py: a failure is a miss here and the backoff decides when to retry
         self._kw = dict(username=username, password=password, socket_timeout=timeout,
@@ -145,8 +140,6 @@ class RemoteTier:
                                      "errors_put", "errors_exists", "errors_remove", "timeouts", "corrupt",
                                      "deleted_corrupt", "skipped_down", "encode_failed")}
         self.corrupt_reasons: dict[str, int] = {}
-        self._bufs: list[np.ndarray] = []  # value buffers for put, reused (see _encode)
-        self._pool_max = max(4, _POOLED_BYTES // self.payload_max)
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
@@ -325,7 +318,7 @@ class RemoteTier:
         bad = []
         for i, value in enumerate(res):
             if isinstance(value, bytes):
-                reason = self._decode(keys[i], value, outs[i])
+                reason = self.values.decode(keys[i], value, outs[i])
                 if reason is None:
                     oks[i] = True
                     self.count("bytes_read", len(value))
@@ -342,62 +335,6 @@ class RemoteTier:
             self.count("deleted_corrupt", sum(r for r in gone if isinstance(r, int)))
         return oks
 
-    def _decode(self, key: bytes, value: bytes, out: np.ndarray) -> str | None:
-        """Check one value and decode it into ``out``; the reason it is bad, or None."""
-        if len(value) < ff.HEADER_CORE:
-            return "truncated"
-        try:
-            h = ff.unpack_header(value[: ff.HEADER_CORE])
-        except ff.BadBlockFile as e:
-            return e.reason
-        plen = len(value) - ff.HEADER_CORE
-        if h.fingerprint != self.namespace or h.key != key:
-            return "foreign"
-        if h.codec_id != self.codec_id:
-            return "codec"
-        if h.payload_len != plen or plen > self.payload_max or (self.fixed_size and plen != self.payload_max):
-            return "length"
-        payload = np.frombuffer(value, np.uint8, offset=ff.HEADER_CORE)
-        if ff.checksum(payload) != h.checksum:
-            return "checksum"
-        if self.codec is None:
-            np.copyto(out[: self.block_bytes], payload, casting="no")
-            return None
-        try:
-            self.codec.decode(payload, plen, out[: self.block_bytes])
-        except ValueError as e:  # CodecError, or bytes of the wrong shape
-            log.debug("kvstore remote: %s decode failed: %s", self.codec.name, e)
-            return "decode"
-        return None
-
-    def _take_buf(self) -> np.ndarray:
-        with self._lock:
-            if self._bufs:
-                return self._bufs.pop()
-        return np.empty(self.payload_max, np.uint8)
-
-    def _give_bufs(self, bufs: list[np.ndarray]) -> None:
-        with self._lock:
-            self._bufs.extend(bufs[: max(0, self._pool_max - len(self._bufs))])
-
-    def _encode(self, key: bytes, block: np.ndarray, buf: np.ndarray) -> tuple[bytes, memoryview] | None:
-        """(header, payload): without a codec the payload is the block's own memory (no copy, see
-        :mod:`.setpipe`), else its encoding in ``buf`` (a pooled buffer, so no fresh pages: fresh
-        2 MiB values cost most of a put's time in page faults, 0.33-0.50 of a raw SET)."""
-        src = np.ascontiguousarray(block.reshape(-1)[: self.block_bytes])
-        if self.codec is None:
-            assert src.dtype == np.uint8 and src.nbytes == self.block_bytes, (src.dtype, src.nbytes)
-            payload = src
-        else:
-            try:
-                plen = self.codec.encode(src, buf)
-            except ValueError as e:
-                log.warning("kvstore remote: %s encode failed: %s", self.codec.name, e)
-                return None
-            payload = buf[:plen]
-        h = ff.Header(self.codec_id, payload.nbytes, ff.checksum(payload), time.time(), self.namespace, key)
-        return ff.header_bytes(h), memoryview(payload)
-
     def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray]) -> list[bool]:
         """Store each block, overwriting: in one namespace a key names the same bytes in every engine."""
         names = [self.redis_key(k) for k in keys]
@@ -405,9 +342,9 @@ class RemoteTier:
         if not self.available:  # do not encode what will not be sent
             self.count("skipped_down", len(keys))
             return oks
-        bufs = [self._take_buf() for _ in keys] if self.codec is not None else []
+        bufs = self.values.take_bufs(len(keys))
         try:
-            values = [self._encode(k, b, buf) for k, b, buf in zip(keys, blocks, bufs or [None] * len(keys))]
+            values = [self.values.encode(k, b, buf) for k, b, buf in zip(keys, blocks, bufs)]
             self.count("encode_failed", sum(v is None for v in values))
             todo = [i for i, v in enumerate(values) if v is not None]
             if not todo:
@@ -420,7 +357,7 @@ class RemoteTier:
                     self.count("bytes_written", len(values[todo[j]][0]) + values[todo[j]][1].nbytes)
         finally:
             values = None  # the memoryviews are released before their buffers are reused
-            self._give_bufs(bufs)
+            self.values.give_bufs(bufs)
         self.count("puts", sum(oks))
         return oks
 
