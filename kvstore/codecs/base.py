@@ -10,11 +10,11 @@ turns that into a counted miss, never an exception to the caller).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore import dtypes
 from kvstore.fileformat import CODEC_IDS
 
 
@@ -22,17 +22,9 @@ class CodecError(ValueError):
     """Stored bytes that do not decode (corrupt or foreign)."""
 
 
-# element dtypes the lossy codecs understand (name -> bytes per element)
-DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
-def normalize_dtype(dtype: str | None) -> str:
-    """``"torch.float16"`` / ``"half"`` / ``"fp16"`` -> ``"float16"``; unknown names come back lower-cased."""
-    if dtype is None:
-        return "uint8"
-    d = str(dtype).strip().lower()
-    d = re.sub(r"^(torch|numpy|np)\.", "", d)
-    return {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}.get(d, d)
+# element dtypes the lossy codecs understand (name -> bytes per element), from the one table
+DTYPES = {d: dtypes.SIZES[d] for d in dtypes.QUANTIZABLE}
+normalize_dtype = dtypes.normalize
 
 
 @dataclass(frozen=True)

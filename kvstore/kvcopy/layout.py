@@ -32,28 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from kvstore.dtypes import dtype_info
+from kvstore.kvcopy.layout_read import read_axes
+
 # Store block axis order, outermost first; the head dim (contiguous) is always last.
 STORE_ORDER: tuple[str, ...] = ("layer", "token", "head", "kv")  # packing "std"
 CPU_PAGE_ORDER: tuple[str, ...] = ("layer", "head", "kv", "token")  # packing "vllm_cpu"
 STORE_FORMAT_VERSION = 1
-
-_DTYPE_SIZES = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "half": 2,
-    "float": 4,
-    "int8": 1,
-    "uint8": 1,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
 
 # vLLM (>= 0.2x, RFC #42082) KV cache layouts: the physical order of the logical
 # axes (L, B, H, N, C) of the per-layer views [B, H, N, C], C = K dims then V dims.
@@ -69,31 +54,6 @@ VLLM_LAYOUTS: dict[str, tuple[int, ...]] = {
 KINDS = ("vllm_cpu", "vllm", "flash_attn", "flashinfer", "cross_layer", "mla")
 
 
-def dtype_info(dtype: Any) -> tuple[int, str | None]:
-    """(element size in bytes, dtype name or None) of a torch/numpy dtype, a name or a size."""
-    if isinstance(dtype, bool):
-        raise TypeError("dtype must be a dtype, a dtype name or an element size")
-    if isinstance(dtype, int):
-        if dtype not in (1, 2, 4, 8):
-            raise ValueError(f"element size must be 1, 2, 4 or 8 bytes, got {dtype}")
-        return dtype, None
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name in _DTYPE_SIZES:
-            return _DTYPE_SIZES[name], name
-    itemsize = getattr(dtype, "itemsize", None)  # torch.dtype (>= 2.1) and numpy dtypes
-    if isinstance(itemsize, int) and itemsize > 0:
-        name = str(dtype).removeprefix("torch.")
-        return itemsize, name
-    try:
-        import numpy as np
-
-        dt = np.dtype(dtype)
-        return dt.itemsize, dt.name
-    except Exception:
-        raise ValueError(f"unknown dtype {dtype!r}") from None
-
-
 def _contig_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides = [0] * len(shape)
     acc = 1
@@ -101,6 +61,11 @@ def _contig_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides[i] = acc
         acc *= shape[i]
     return tuple(strides)
+
+
+def _dims(num_blocks, num_layers, block_size, num_heads, head_size) -> tuple[int, int, int, int, int]:
+    return (_pos("num_blocks", num_blocks), _pos("num_layers", num_layers), _pos("block_size", block_size),
+            _pos("num_heads", num_heads), _pos("head_size", head_size))
 
 
 def _pos(name: str, value: Any) -> int:
@@ -192,23 +157,11 @@ class KVLayout:
     def paged_strides(self) -> tuple[int, int, int, int]:
         """Byte strides (block, kv, head, token) of the paged cache."""
         e = self.elem_size
-        return (
-            self.block_stride * e,
-            self.kv_stride * e,
-            self.head_stride * e,
-            self.token_stride * e,
-        )
+        return self.block_stride * e, self.kv_stride * e, self.head_stride * e, self.token_stride * e
 
     def geometry(self) -> tuple[int, int, int, int, int, int]:
         """(layers, kv, heads, block_size, row_bytes, num_blocks) for the native module."""
-        return (
-            self.num_layers,
-            self.num_kv,
-            self.num_heads,
-            self.block_size,
-            self.row_bytes,
-            self.num_blocks,
-        )
+        return self.num_layers, self.num_kv, self.num_heads, self.block_size, self.row_bytes, self.num_blocks
 
     @property
     def packing(self) -> str:
@@ -245,6 +198,8 @@ class KVLayout:
         )
 
     # --------------------------------------------------- named constructors
+    # Each builds its stacked form's contiguous (or, for vllm, ordered) shape and strides and
+    # reads them with the one builder ``_read``, the same that reads live tensors.
     @classmethod
     def vllm_cpu(
         cls, num_blocks, num_layers, block_size, num_heads, head_size, dtype
@@ -259,24 +214,8 @@ class KVLayout:
         The copy moves whole sections byte for byte (``packing == "vllm_cpu"``).
         Stacked form: ``[layers, num_blocks, heads, block_size, 2*head_size]``.
         """
-        B, L, N, H, D = (
-            _pos("num_blocks", num_blocks),
-            _pos("num_layers", num_layers),
-            _pos("block_size", block_size),
-            _pos("num_heads", num_heads),
-            _pos("head_size", head_size),
-        )
-        es, name = dtype_info(dtype)
-        shape = (B, H, N, 2 * D)
-        st = _contig_strides(shape)
-        return cls(
-            kind="vllm_cpu", num_layers=L, num_blocks=B, block_size=N, num_heads=H,
-            head_size=D, elem_size=es, num_kv=2,
-            block_stride=st[0], kv_stride=N * D, head_stride=st[1], token_stride=D,
-            layer_shape=shape, layer_strides=st,
-            stacked_shape=(L, *shape), stacked_strides=_contig_strides((L, *shape)),
-            layer_stride=B * H * N * 2 * D, dtype=name,
-        )  # fmt: skip
+        B, L, N, H, D = _dims(num_blocks, num_layers, block_size, num_heads, head_size)
+        return cls._stacked("vllm_cpu", (L, B, H, N, 2 * D), dtype)
 
     @classmethod
     def flash_attn(
@@ -286,24 +225,8 @@ class KVLayout:
 
         Stacked form: ``[layers, 2, num_blocks, block_size, heads, head_size]``.
         """
-        B, L, N, H, D = (
-            _pos("num_blocks", num_blocks),
-            _pos("num_layers", num_layers),
-            _pos("block_size", block_size),
-            _pos("num_heads", num_heads),
-            _pos("head_size", head_size),
-        )
-        es, name = dtype_info(dtype)
-        shape = (2, B, N, H, D)
-        st = _contig_strides(shape)
-        return cls(
-            kind="flash_attn", num_layers=L, num_blocks=B, block_size=N, num_heads=H,
-            head_size=D, elem_size=es, num_kv=2,
-            block_stride=st[1], kv_stride=st[0], head_stride=st[3], token_stride=st[2],
-            layer_shape=shape, layer_strides=st,
-            stacked_shape=(L, *shape), stacked_strides=_contig_strides((L, *shape)),
-            layer_stride=2 * B * N * H * D, dtype=name,
-        )  # fmt: skip
+        B, L, N, H, D = _dims(num_blocks, num_layers, block_size, num_heads, head_size)
+        return cls._stacked("flash_attn", (L, 2, B, N, H, D), dtype)
 
     @classmethod
     def flashinfer(
@@ -314,25 +237,8 @@ class KVLayout:
 
         Stacked form: ``[layers, ...]``.
         """
-        B, L, N, H, D = (
-            _pos("num_blocks", num_blocks),
-            _pos("num_layers", num_layers),
-            _pos("block_size", block_size),
-            _pos("num_heads", num_heads),
-            _pos("head_size", head_size),
-        )
-        es, name = dtype_info(dtype)
-        shape = (B, 2, H, N, D) if hnd else (B, 2, N, H, D)
-        st = _contig_strides(shape)
-        head_st, tok_st = (st[2], st[3]) if hnd else (st[3], st[2])
-        return cls(
-            kind="flashinfer", num_layers=L, num_blocks=B, block_size=N, num_heads=H,
-            head_size=D, elem_size=es, num_kv=2,
-            block_stride=st[0], kv_stride=st[1], head_stride=head_st, token_stride=tok_st,
-            layer_shape=shape, layer_strides=st,
-            stacked_shape=(L, *shape), stacked_strides=_contig_strides((L, *shape)),
-            layer_stride=2 * B * N * H * D, dtype=name, options=(("hnd", bool(hnd)),),
-        )  # fmt: skip
+        B, L, N, H, D = _dims(num_blocks, num_layers, block_size, num_heads, head_size)
+        return cls._stacked("flashinfer", (L, B, 2, H, N, D) if hnd else (L, B, 2, N, H, D), dtype, hnd=hnd)
 
     @classmethod
     def cross_layer(
@@ -347,23 +253,8 @@ class KVLayout:
         ``t[:, l]`` (shape ``[num_blocks, 2, block_size, heads, head_size]``).
         For vLLM >= 0.2x's block-outermost layouts (BLNHC, ...) use :meth:`vllm`.
         """
-        B, L, N, H, D = (
-            _pos("num_blocks", num_blocks),
-            _pos("num_layers", num_layers),
-            _pos("block_size", block_size),
-            _pos("num_heads", num_heads),
-            _pos("head_size", head_size),
-        )
-        es, name = dtype_info(dtype)
-        full = (B, L, 2, N, H, D)
-        fst = _contig_strides(full)
-        return cls(
-            kind="cross_layer", num_layers=L, num_blocks=B, block_size=N, num_heads=H,
-            head_size=D, elem_size=es, num_kv=2,
-            block_stride=fst[0], kv_stride=fst[2], head_stride=fst[4], token_stride=fst[3],
-            layer_shape=(B, 2, N, H, D), layer_strides=(fst[0], *fst[2:]),
-            stacked_shape=full, stacked_strides=fst, layer_stride=fst[1], dtype=name,
-        )  # fmt: skip
+        B, L, N, H, D = _dims(num_blocks, num_layers, block_size, num_heads, head_size)
+        return cls._stacked("cross_layer", (B, L, 2, N, H, D), dtype)
 
     @classmethod
     def mla(
@@ -374,23 +265,9 @@ class KVLayout:
         ``heads_axis=True``: vLLM >= 0.2x's 4-D view ``[num_blocks, 1, block_size, latent_dim]``.
         Stacked form: ``[layers, ...]``.
         """
-        B, L, N, D = (
-            _pos("num_blocks", num_blocks),
-            _pos("num_layers", num_layers),
-            _pos("block_size", block_size),
-            _pos("latent_dim", latent_dim),
-        )
-        es, name = dtype_info(dtype)
-        shape = (B, 1, N, D) if heads_axis else (B, N, D)
-        st = _contig_strides(shape)
-        return cls(
-            kind="mla", num_layers=L, num_blocks=B, block_size=N, num_heads=1,
-            head_size=D, elem_size=es, num_kv=1,
-            block_stride=st[0], kv_stride=0, head_stride=0, token_stride=st[-2],
-            layer_shape=shape, layer_strides=st,
-            stacked_shape=(L, *shape), stacked_strides=_contig_strides((L, *shape)),
-            layer_stride=B * N * D, dtype=name,
-        )  # fmt: skip
+        B, L, N, D = (_pos("num_blocks", num_blocks), _pos("num_layers", num_layers),
+                      _pos("block_size", block_size), _pos("latent_dim", latent_dim))  # fmt: skip
+        return cls._stacked("mla", (L, B, 1, N, D) if heads_axis else (L, B, N, D), dtype)
 
     @classmethod
     def vllm(
@@ -409,30 +286,21 @@ class KVLayout:
             raise ValueError(
                 f"unknown vLLM KV cache layout {layout_name!r}; one of {sorted(VLLM_LAYOUTS)}"
             )
-        B, L, N, H, D = (
-            _pos("num_blocks", num_blocks),
-            _pos("num_layers", num_layers),
-            _pos("block_size", block_size),
-            _pos("num_heads", num_heads),
-            _pos("head_size", head_size),
-        )
-        es, name = dtype_info(dtype)
+        B, L, N, H, D = _dims(num_blocks, num_layers, block_size, num_heads, head_size)
         logical = (L, B, H, N, 2 * D)
-        order = VLLM_LAYOUTS[layout_name]
         strides = [0] * 5
         acc = 1
-        for dim in reversed(order):
+        for dim in reversed(VLLM_LAYOUTS[layout_name]):
             strides[dim] = acc
             acc *= logical[dim]
-        return cls(
-            kind="vllm", num_layers=L, num_blocks=B, block_size=N, num_heads=H,
-            head_size=D, elem_size=es, num_kv=2,
-            block_stride=strides[1], kv_stride=D, head_stride=strides[2],
-            token_stride=strides[3],
-            layer_shape=logical[1:], layer_strides=tuple(strides[1:]),
-            stacked_shape=logical, stacked_strides=tuple(strides),
-            layer_stride=strides[0], dtype=name, options=(("vllm_layout", layout_name),),
-        )  # fmt: skip
+        es, name = dtype_info(dtype)
+        return cls._read("vllm", logical, tuple(strides), stacked=True, elem_size=es, dtype=name,
+                         options=(("vllm_layout", layout_name),))
+
+    @classmethod
+    def _stacked(cls, kind: str, shape: tuple[int, ...], dtype: Any, *, hnd: bool = False) -> "KVLayout":
+        es, name = dtype_info(dtype)
+        return cls._read(kind, shape, _contig_strides(shape), stacked=True, elem_size=es, dtype=name, hnd=hnd)
 
     # ------------------------------------------------------------ from tensors
     @classmethod
@@ -454,83 +322,19 @@ class KVLayout:
             if len(kv_caches) == 0:
                 raise ValueError("kv_caches is an empty list")
             t = tensor_meta(kv_caches[0], "kv_caches[0]")
-        shape, st = t.shape, t.strides
-        layer_nd = {"vllm_cpu": 4, "vllm": 4, "flash_attn": 5, "flashinfer": 5,
-                    "cross_layer": 5, "mla": 3}[kind]  # fmt: skip
-        if kind == "mla" and len(shape) == layer_nd + 1 + int(stacked):
-            layer_nd += 1  # vLLM >= 0.2x: [B, 1, N, latent]
-        if stacked:
-            if len(shape) != layer_nd + 1:
-                raise ValueError(
-                    f"{kind}: expected a {layer_nd + 1}-D stacked tensor or a list of "
-                    f"{layer_nd}-D per-layer tensors, got shape {tuple(shape)}"
-                )
-            ldim = 1 if kind == "cross_layer" else 0
-            L, layer_stride = shape[ldim], st[ldim]
-            lshape = shape[:ldim] + shape[ldim + 1 :]
-            lst = st[:ldim] + st[ldim + 1 :]
-        else:
-            L, layer_stride = len(kv_caches), None
-            if len(shape) != layer_nd:
-                raise ValueError(
-                    f"{kind}: expected {layer_nd}-D per-layer tensors, got shape {tuple(shape)}"
-                )
-            lshape, lst = shape, st
-        if lst[-1] != 1 and lshape[-1] > 1:
-            raise ValueError(f"{kind}: the last (head) dim must be contiguous, strides {lst}")
-        num_kv = 2
-        if kind in ("vllm_cpu", "vllm"):
-            B, H, N, C = lshape
-            if C % 2:
-                raise ValueError(f"{kind}: last dim {C} is not 2*head_size")
-            D = C // 2
-            if kind == "vllm_cpu":
-                if (H > 1 and lst[1] != N * C) or (N > 1 and lst[2] != C):
-                    raise ValueError(
-                        "vllm_cpu: each block's [heads, block_size, 2*head_size] must be "
-                        f"contiguous (the backend reads it as [heads, 2, block_size, head_size]); "
-                        f"strides {lst}"
-                    )
-                bs, kvs, hs, ts = lst[0], N * D, N * C, D
-            else:
-                bs, kvs, hs, ts = lst[0], D, lst[1], lst[2]
-        elif kind in ("flash_attn",):
-            two, B, N, H, D = lshape
-            bs, kvs, hs, ts = lst[1], lst[0], lst[3], lst[2]
-        elif kind in ("flashinfer", "cross_layer"):
-            if kind == "flashinfer" and hnd:
-                B, two, H, N, D = lshape
-                bs, kvs, hs, ts = lst[0], lst[1], lst[2], lst[3]
-            else:
-                B, two, N, H, D = lshape
-                bs, kvs, hs, ts = lst[0], lst[1], lst[3], lst[2]
-        else:  # mla
-            if len(lshape) == 4:
-                if lshape[1] != 1:
-                    raise ValueError(f"mla: expected [B, 1, N, latent], got {tuple(lshape)}")
-                B, _, N, D = lshape
-            else:
-                B, N, D = lshape
-            H, num_kv = 1, 1
-            bs, kvs, hs, ts = lst[0], 0, 0, lst[-2]
-        if kind in ("flash_attn", "flashinfer", "cross_layer") and two != 2:
-            raise ValueError(f"{kind}: the K/V axis has size {two}, expected 2")
-        for nm, v in (("num_blocks", B), ("num_layers", L), ("block_size", N),
-                      ("heads", H), ("head_size", D)):  # fmt: skip
-            if v <= 0:
-                raise ValueError(f"{kind}: {nm} is {v}")
-        if any(s < 0 for s in lst) or (layer_stride is not None and layer_stride < 0):
-            raise ValueError(f"{kind}: negative strides are not supported ({lst})")
-        opts: tuple = (("hnd", bool(hnd)),) if kind == "flashinfer" else ()
-        return cls(
-            kind=kind, num_layers=L, num_blocks=B, block_size=N, num_heads=H, head_size=D,
-            elem_size=t.itemsize, num_kv=num_kv,
-            block_stride=bs, kv_stride=kvs, head_stride=hs, token_stride=ts,
-            layer_shape=tuple(lshape), layer_strides=tuple(lst),
-            stacked_shape=tuple(shape) if stacked else None,
-            stacked_strides=tuple(st) if stacked else None,
-            layer_stride=layer_stride, dtype=t.dtype_name, options=opts,
-        )  # fmt: skip
+        return cls._read(kind, tuple(t.shape), tuple(t.strides), stacked=stacked,
+                         num_layers=None if stacked else len(kv_caches), elem_size=t.itemsize,
+                         dtype=t.dtype_name, hnd=hnd)
+
+    @classmethod
+    def _read(cls, kind: str, shape: tuple[int, ...], st: tuple[int, ...], *, stacked: bool, elem_size: int,
+              dtype: str | None, num_layers: int | None = None, hnd: bool = False,
+              options: tuple = ()) -> "KVLayout":
+        """The one builder: a layout from a cache's shape and strides (in elements), read as
+        ``kind`` (the stacked tensor, or one layer of a list of ``num_layers``)."""
+        ax = read_axes(kind, shape, st, stacked=stacked, num_layers=num_layers, hnd=hnd)
+        opts: tuple = (("hnd", bool(hnd)),) if kind == "flashinfer" else options
+        return cls(kind=kind, elem_size=elem_size, dtype=dtype, options=opts, **ax)
 
     @classmethod
     def from_vllm(cls, kv_caches: Any, *, mla: bool = False) -> "KVLayout":
@@ -557,29 +361,14 @@ class KVLayout:
             raise ValueError("num_kv must be 1 (MLA) or 2")
 
     def describe(self) -> str:
-        dims = (
-            f"layers={self.num_layers} blocks={self.num_blocks} block_size={self.block_size} "
-            + (
-                f"latent={self.head_size}"
-                if self.is_mla
-                else f"heads={self.num_heads} head_size={self.head_size}"
-            )
-        )
-        return (
-            f"KVLayout({self.kind}, {dims}, elem={self.elem_size}B, "
-            f"layer shape {self.layer_shape}, block_bytes={self.block_bytes})"
-        )
+        heads = f"latent={self.head_size}" if self.is_mla else f"heads={self.num_heads} head_size={self.head_size}"
+        return (f"KVLayout({self.kind}, layers={self.num_layers} blocks={self.num_blocks} "
+                f"block_size={self.block_size} {heads}, elem={self.elem_size}B, "
+                f"layer shape {self.layer_shape}, block_bytes={self.block_bytes})")
 
 
-__all__ = [
-    "KVLayout",
-    "STORE_ORDER",
-    "CPU_PAGE_ORDER",
-    "STORE_FORMAT_VERSION",
-    "VLLM_LAYOUTS",
-    "KINDS",
-    "dtype_info",
-]
+__all__ = ["KVLayout", "STORE_ORDER", "CPU_PAGE_ORDER", "STORE_FORMAT_VERSION", "VLLM_LAYOUTS", "KINDS",
+           "dtype_info"]
 
 
 def named_layout(name: str, B: int, L: int, N: int, H: int, D: int, dtype: Any) -> KVLayout:
