@@ -4,7 +4,7 @@ Schema (public; the tuner writes it, the connector reads it)::
 
     tiers:
       dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory, headroom_blocks}
-      nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header}
+      nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header, admit_after}
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads}
     metrics: {port}
@@ -133,6 +133,7 @@ class NvmeConfig:
     write_mode: str = "write_back"
     io_threads: int = 4
     header: str = "auto"  # auto | xattr | inline: where a block file keeps its header
+    admit_after: int = 0  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
 
     @property
     def capacity_bytes(self) -> int:
@@ -254,6 +255,7 @@ def _nvme(d: Mapping) -> NvmeConfig:
         write_mode=_choice(f"{p}.write_mode", d.get("write_mode", base.write_mode), WRITE_MODES),
         io_threads=_int(f"{p}.io_threads", d.get("io_threads", base.io_threads), minimum=1, maximum=64),
         header=_choice(f"{p}.header", d.get("header", base.header), HEADER_CHOICES),
+        admit_after=_int(f"{p}.admit_after", d.get("admit_after", base.admit_after), minimum=0),
     )
 
 

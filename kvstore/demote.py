@@ -3,12 +3,12 @@
 A DRAM reservation (or a sweep) returns its victims as data, each still holding its slot
 (:meth:`kvstore.tiers.Tier.begin_reserve`). :meth:`Demoter.take` applies the rules of
 :mod:`kvstore.placement` to each: a victim that needs no write (nothing below, already below,
-past NVMe's TTL, no room on NVMe) frees its slot at once; the others get an NVMe entry
-(reserved now, on the caller: index work only) and a write job on the I/O pool. Until that
-write is done the block stays servable from its slot: :meth:`has` and :meth:`pin` find it
-(a DRAM hit). The slot is freed when the write is done, success or failure, or, if a load
-pinned the block meanwhile, when the last pin is released (:meth:`release`): a block promised
-to a load is never lost, even when its demotion fails.
+past NVMe's TTL, without the asks ``tiers.nvme.admit_after`` wants, no room on NVMe) frees its
+slot at once; the others get an NVMe entry (reserved now, on the caller: index work only) and a
+write job on the I/O pool. Until that write is done the block stays servable from its slot:
+:meth:`has` and :meth:`pin` find it (a DRAM hit). The slot is freed when the write is done,
+success or failure, or, if a load pinned the block meanwhile, when the last pin is released
+(:meth:`release`): a block promised to a load is never lost, even when its demotion fails.
 """
 
 from __future__ import annotations
@@ -65,18 +65,24 @@ class Demoter:
             self.s.dram.free(free)
         return rest
 
+    def action(self, e: Entry, now: float) -> str:
+        """:func:`kvstore.placement.demote_action` for DRAM victim ``e`` (admitted: its asks)."""
+        nv, adm = self.s.nvme, self.s._admission
+        return placement.demote_action(e.last_access, now, has_lower=nv is not None,
+                                       lower_holds=nv is not None and nv.holds(e.key),
+                                       lower_ttl=nv.index.ttl if nv is not None else None,
+                                       admitted=not adm.active or adm.admits(e.asks))
+
     def take(self, victims: list[Entry]) -> None:
         """Decide for each DRAM victim; free what needs no write, submit the rest."""
         if not victims:
             return
-        s, dram, nv = self.s, self.s.dram, self.s.nvme
+        s, dram = self.s, self.s.dram
         s._count_evictions(dram, victims)
         now = s.clock()
-        free, todo, gone = [], [], []
+        free, todo, gone, away = [], [], [], []
         for e in victims:
-            act = placement.demote_action(e.last_access, now, has_lower=nv is not None,
-                                          lower_holds=nv is not None and nv.holds(e.key),
-                                          lower_ttl=nv.index.ttl if nv is not None else None)
+            act = self.action(e, now)
             if act == placement.DEMOTE:
                 todo.append(e)
                 continue
@@ -85,6 +91,8 @@ class Demoter:
                 gone.append((e, "expired"))
             elif act == placement.NO_LOWER:
                 gone.append((e, None))
+            elif act == placement.NOT_ADMITTED:
+                away.append(e)
         jobs = []
         if todo:
             for ne, e in zip(s._reserve_nvme([e.key for e in todo], background=True), todo):
@@ -101,6 +109,7 @@ class Demoter:
         dram.free(free)
         for e, why in gone:
             s._remember_gone([e], why)
+        s._turn_away([(e.key, e.asks) for e in away])
         for ne, e in jobs:
             s._submit(self._job, ne, e)
 

@@ -38,6 +38,7 @@ class Entry:
     ttl: float | None = None  # per-entry TTL (TTL classes); None = the tier's
     first_session: Hashable = None  # the first session that hit it (for ``ttl_shared_s``)
     shared: bool = False  # hit by >= 2 distinct sessions (then ``ttl`` is the tier's shared TTL)
+    asks: int = 0  # requests that used it: its commit and each hit (placement.Admission)
     heap_at: float = math.inf  # deadline of this entry's live TTL-heap item (inf: none)
 
 
@@ -121,7 +122,9 @@ class TierIndex:
 
         With ``ttl_shared`` set, the second distinct ``session`` that hits an entry moves it to
         the shared TTL class (tracked with one remembered session and a flag: O(1) per hit).
+        Each touch (a commit, a load's hit: one per request) is one of the entry's ``asks``.
         """
+        e.asks += 1
         if self.ttl_shared is not None and session is not None and not e.shared:
             if e.first_session is None:
                 e.first_session = session

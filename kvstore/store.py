@@ -122,6 +122,7 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-prefetch")
         self._ghosts: OrderedDict[bytes, str] = OrderedDict()
         self._ghost_cap = ghost_capacity
+        self._admission = placement.Admission(ncfg.admit_after, ghost_capacity)  # tiers.nvme.admit_after
         self._ghost_lock = threading.Lock()
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
@@ -247,9 +248,8 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
             for e in entries:
                 dram.index.pin(e)
         try:
-            now, ttl = self.clock(), nv.index.ttl
-            todo = [e for e in entries if placement.demote_action(
-                e.last_access, now, has_lower=True, lower_holds=nv.holds(e.key), lower_ttl=ttl) == placement.DEMOTE]
+            now = self.clock()  # (a block without its asks, tiers.nvme.admit_after, is not written)
+            todo = [e for e in entries if self._demoter.action(e, now) == placement.DEMOTE]
             n = 0
             for i in range(0, len(todo), 64):
                 batch = todo[i:i + 64]

@@ -5,7 +5,10 @@ Nothing here waits on an NVMe write on the caller's thread when DRAM is on: DRAM
 demoted on the I/O pool (:mod:`kvstore.demote`), a block with no free DRAM slot is skipped and
 counted (``kvstore_tier_skipped_blocks_total{tier="dram",reason="no_slot"}``; ``put`` writes
 those of its own blocks to NVMe instead), write-through copies run in the background. A store
-without DRAM writes NVMe in ``end_store``/``put`` (its only medium).
+without DRAM writes NVMe in ``end_store``/``put`` (its only medium). ``tiers.nvme.admit_after``
+gates every write to NVMe (:class:`kvstore.placement.Admission`): a block without its asks is
+not written, counted (``kvstore_tier_skipped_blocks_total{tier="nvme",reason="not_admitted"}``)
+and remembered (the miss reason ``not_admitted``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -25,11 +28,18 @@ from kvstore.tiers import Reservation
 log = logging.getLogger(__name__)
 
 
+class _Gone(NamedTuple):  # a block that left no entry behind, for KVStore._remember_gone
+    key: bytes
+    reason: str = placement.NOT_ADMITTED
+
+
 class StorePath:
     # -- reservations ----------------------------------------------------------------------------
-    def _reserve_dram(self, keys: Sequence[bytes]) -> Reservation:
+    def _reserve_dram(self, keys: Sequence[bytes], stored: bool = False) -> Reservation:
         """DRAM entries for ``keys``: victims go to the demoter first (those that need no write
-        free their slots at once), then free slots are attached; none free: skipped, counted."""
+        free their slots at once), then free slots are attached; none free: skipped, counted.
+        The entries' asks (admission): those remembered for a ``stored`` block; a copy from a
+        lower tier (a promotion) was admitted already."""
         res = self.dram.begin_reserve(keys)
         try:
             self._demoter.take(res.victims)
@@ -39,7 +49,51 @@ class StorePath:
         self.dram.attach(res)
         if res.no_slot:
             self.metrics.skipped.labels("dram", "no_slot").inc(res.no_slot)
+        adm = self._admission
+        if adm.active:
+            with self._ghost_lock:
+                for e in res:
+                    if e is not None:
+                        e.asks = adm.recall(e.key) if stored else adm.after
         return res
+
+    # -- admission (tiers.nvme.admit_after) ----------------------------------------------------------
+    def _admit_nvme(self, keys: Sequence[bytes]) -> list[bool]:
+        """For a store straight to NVMe (no DRAM entry): which keys may be written. Each key NVMe
+        does not hold yet is asked once more; those still short of their asks are turned away."""
+        adm, nv = self._admission, self.nvme
+        if not adm.active:
+            return [True] * len(keys)
+        out, seen, away = [], set(), []
+        for k in keys:
+            if k in seen or nv.holds(k):  # stored or being written: the reservation skips it
+                out.append(True)
+                continue
+            seen.add(k)
+            with self._ghost_lock:
+                asks = adm.recall(k) + 1
+            out.append(adm.admits(asks))
+            if not out[-1]:
+                away.append((k, asks))
+        self._turn_away(away)
+        return out
+
+    def _turn_away(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Blocks dropped for want of asks: their asks remembered, the miss reason too, counted."""
+        if blocks:
+            with self._ghost_lock:
+                for k, asks in blocks:
+                    self._admission.turn_away(k, asks)
+            self._remember_gone([_Gone(k) for k, _ in blocks])
+            self.metrics.skipped.labels("nvme", placement.NOT_ADMITTED).inc(len(blocks))
+
+    def _reserve_nvme_admitted(self, keys: list[bytes]) -> list[Entry | None]:
+        """:meth:`_reserve_nvme` for the keys :meth:`_admit_nvme` lets through (None elsewhere)."""
+        ok = self._admit_nvme(keys)
+        if all(ok):
+            return list(self._reserve_nvme(keys))
+        got = iter(self._reserve_nvme([k for k, o in zip(keys, ok) if o]))
+        return [next(got) if o else None for o in ok]
 
     def _reserve_nvme(self, keys: Sequence[bytes], background: bool = False) -> Reservation:
         """NVMe entries for ``keys``; its victims' files are removed here, or on the I/O pool
@@ -145,7 +199,7 @@ class StorePath:
         return n
 
     def _put_nvme(self, keys: list[bytes], rows: list[np.ndarray]) -> int:
-        h = StoreHandle(keys, list(self._reserve_nvme(keys)), [], self.nvme)
+        h = StoreHandle(keys, self._reserve_nvme_admitted(keys), [], self.nvme)
         h.views = [r if e is not None else None for e, r in zip(h.entries, rows)]
         return self.end_store(h, True)
 
@@ -163,13 +217,13 @@ class StorePath:
             want = [k for k in keys if placement.admit(nv is not None and nv.holds(k))]
             # a repeated key is reserved once (its later copies get None): keep that entry,
             # never overwrite it with a later None (it would stay WRITING and pinned forever)
-            got = {k: e for k, e in zip(want, self._reserve_dram(want)) if e is not None} if want else {}
+            got = {k: e for k, e in zip(want, self._reserve_dram(want, stored=True)) if e is not None} if want else {}
             entries = [got.pop(k, None) for k in keys]
             views = [self.dram.view(e) if e is not None else None for e in entries]
             return StoreHandle(keys, entries, views, self.dram)
         if self.nvme is not None:
             # NVMe-only store: stage in private buffers, written at end_store
-            entries = list(self._reserve_nvme(keys))
+            entries = self._reserve_nvme_admitted(keys)
             views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
             return StoreHandle(keys, entries, views, self.nvme)
         h = StoreHandle(keys, [None] * len(keys), [None] * len(keys), None)
@@ -215,7 +269,9 @@ class StorePath:
         self.metrics.bytes_in.labels(tier.name).inc(n * self.block_bytes)
         self.metrics.put_latency.labels(tier.name).observe(time.perf_counter() - h.started)
         if n and self.write_through and tier is self.dram and self.nvme is not None:
-            h.background = self._write_through(stored)
+            adm = self._admission  # blocks short of their asks: written at eviction if they get them
+            wt = [e.key for e, o in zip(h.entries, oks) if o and adm.admits(e.asks)] if adm.active else stored
+            h.background = self._write_through(wt) if wt else []
         if n and self.remote is not None:  # shared as soon as stored (write-through)
             if tier is self.dram:
                 self._remote_write_through(stored)

@@ -76,6 +76,11 @@ def test_unknown_keys(data, key, allowed):
     ({"tiers": {"nvme": {"path": ""}}}, "tiers.nvme.path", "", "folder path"),
     ({"tiers": {"nvme": {"path": 7}}}, "tiers.nvme.path", 7, "folder path"),
     ({"tiers": {"dram": {"pin_memory": "sometimes"}}}, "tiers.dram.pin_memory", "sometimes", "auto | true | false"),
+    ({"tiers": {"nvme": {"admit_after": -1}}}, "tiers.nvme.admit_after", -1, "an integer >= 0"),
+    ({"tiers": {"nvme": {"admit_after": 1.5}}}, "tiers.nvme.admit_after", 1.5, "an integer >= 0"),
+    ({"tiers": {"nvme": {"admit_after": "twice"}}}, "tiers.nvme.admit_after", "twice", "an integer >= 0"),
+    ({"tiers": {"nvme": {"admit_after": True}}}, "tiers.nvme.admit_after", True, "an integer >= 0"),
+    ({"tiers": {"nvme": {"admit_after": None}}}, "tiers.nvme.admit_after", None, "an integer >= 0"),
     ({"metrics": {"port": 0}}, "metrics.port", 0, "[1, 65535]"),
     ({"metrics": {"port": 70000}}, "metrics.port", 70000, "[1, 65535]"),
     ({"trace_path": 5}, "trace_path", 5, "file path"),
@@ -210,6 +215,15 @@ def test_unknown_key_in_file_names_it(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_config(f, environ={})
     assert ei.value.key == "tiers.dram.tll_s" and "ttl_s" in str(ei.value)
+
+
+def test_admit_after_defaults_to_every_block_and_takes_an_integer(tmp_path):
+    assert StoreConfig().tiers.nvme.admit_after == 0
+    assert from_dict({"tiers": {"nvme": {"admit_after": 2}}}).tiers.nvme.admit_after == 2
+    f = tmp_path / "c.yaml"
+    f.write_text("tiers:\n  nvme:\n    admit_after: 3\n")
+    assert load_config(f, environ={"KVSTORE__TIERS__NVME__ADMIT_AFTER": "2"}).tiers.nvme.admit_after == 2
+    assert load_config(f, environ={}).tiers.nvme.admit_after == 3
 
 
 def test_path_is_expanded(monkeypatch, tmp_path):

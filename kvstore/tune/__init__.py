@@ -1,6 +1,6 @@
 """``kvstore tune``: replay a request trace through the store's own policy and tier accounting
-(:class:`kvstore.tune.simulate.Simulator`) over a grid of TTLs and capacities, and recommend a
-config. See the README's "TTL tuning" section."""
+(:class:`kvstore.tune.simulate.Simulator`) over a grid of TTLs, capacities and NVMe admission
+(``tiers.nvme.admit_after``), and recommend a config. See the README's "TTL tuning" section."""
 
 from kvstore.tune.simulate import Simulator, simulate
 from kvstore.tune.traces import Trace, from_records, load_trace, synth_records

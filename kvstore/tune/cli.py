@@ -1,4 +1,5 @@
-"""``kvstore tune``: replay a request trace over a grid of TTLs and capacities, recommend a config.
+"""``kvstore tune``: replay a request trace over a grid of TTLs, capacities and NVMe admission
+(``tiers.nvme.admit_after``), recommend a config.
 
     kvstore tune --trace T.jsonl [--dram-gb X] [--nvme-gb Y] [--block-bytes B]
                  [--out CFG.yaml] [--json RES.json] [--plots DIR]
@@ -46,6 +47,13 @@ def _sample(s: str):
     return v
 
 
+def _admit(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise ValueError(f"admit_after must be an integer >= 0, got {s!r}")
+    return v
+
+
 def _gb(s: str) -> float:
     v = float(s)
     if v < 0:
@@ -74,6 +82,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nvme-gbs", type=_list(_gb), default=None, help="NVMe capacities (default: the budget x fractions)")
     g.add_argument("--fractions", type=_list(float), default=list(G.DEFAULT_FRACTIONS),
                    help="fractions of the budget tried as capacities (default 1,0.5,0.25)")
+    g.add_argument("--admit-after", type=_list(_admit), default=None,
+                   help="tiers.nvme.admit_after values tried (write a block to NVMe once N requests used it), "
+                   f"on the NVMe slice at the pick; default {','.join(map(str, G.DEFAULT_ADMIT_AFTER))} and the "
+                   "base's; 0 = today's grid only")
     g.add_argument("--search", choices=("auto", "full", "staged"), default="auto",
                    help="full: every combination; staged: DRAM slice then NVMe slice; auto: full when small")
     g.add_argument("--dram-policy", default=None, help="eviction policy (default: the base config's)")
@@ -146,6 +158,9 @@ def _run(a) -> int:
         dram_ttls = dram_ttls[-1:]  # no DRAM tier: its TTL does not matter
     if nvme_budget <= 0:
         nvme_ttls = nvme_ttls[-1:]
+    admits = sorted(set(a.admit_after)) if a.admit_after else sorted({*G.DEFAULT_ADMIT_AFTER, n.admit_after})
+    if nvme_budget <= 0:
+        admits = [n.admit_after]  # no NVMe tier: admission does not matter (the base's value is kept)
     cost = CostModel(a.gb_hour_price_dram, a.gb_hour_price_nvme, a.prefill_token_price)
     jobs = a.jobs or G.default_jobs()
 
@@ -156,14 +171,15 @@ def _run(a) -> int:
             if done == total:
                 print(file=sys.stderr)
 
-    out = tune(trace, common, (dram_gbs, dram_ttls, nvme_gbs, nvme_ttls), search=a.search, sample=a.sample,
-               jobs=jobs, cost=cost, tol_pp=a.tolerance_pp, confirm=a.confirm, progress=progress)
+    out = tune(trace, common, (dram_gbs, dram_ttls, nvme_gbs, nvme_ttls, admits), search=a.search,
+               sample=a.sample, jobs=jobs, cost=cost, tol_pp=a.tolerance_pp, confirm=a.confirm, progress=progress)
     rec, an = out["recommended"], out["analysis"]
     res = {
         "trace_path": a.trace,
         "trace": trace.summary(),
         "block_bytes": block_bytes,
         "budget": {"dram_gb": dram_budget, "nvme_gb": nvme_budget},
+        "admit_after_tried": admits,
         "cost_model": {"gb_hour_price_dram": cost.gb_hour_dram, "gb_hour_price_nvme": cost.gb_hour_nvme,
                        "prefill_token_price": cost.prefill_token} if cost.active else None,
         "objective": "net value" if cost.active else "prefill tokens saved",
@@ -179,8 +195,9 @@ def _run(a) -> int:
         header = (f"kvstore tune --trace {a.trace}: {trace.summary()['requests']} requests, "
                   f"budget DRAM {dram_budget:g} GB / NVMe {nvme_budget:g} GB, block {block_bytes} bytes\n"
                   f"recommended: DRAM {rt['dram']['capacity_gb']:g} GB ttl {R.fmt_ttl(rt['dram']['ttl_s'])}, "
-                  f"NVMe {rt['nvme']['capacity_gb']:g} GB ttl {R.fmt_ttl(rt['nvme']['ttl_s'])}: hit rate "
-                  f"{rec['hit_rate']:.1%}, {rec['saved_prefill_tokens']:,} prefill tokens saved "
+                  f"NVMe {rt['nvme']['capacity_gb']:g} GB ttl {R.fmt_ttl(rt['nvme']['ttl_s'])} admit_after "
+                  f"{rt['nvme']['admit_after']}: hit rate {rec['hit_rate']:.1%}, "
+                  f"{rec['saved_prefill_tokens']:,} prefill tokens saved "
                   f"({res['objective']}: {objective(rec, cost):,.6g})\n"
                   + "".join(f"{t}: {an[t]['detail']}\n" for t in ("dram", "nvme"))
                   + "Usable as kv_connector_extra_config.config; check tiers.nvme.path.")

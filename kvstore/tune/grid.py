@@ -1,11 +1,14 @@
-"""The grid of settings (TTL and capacity per tier) and its evaluation, in parallel processes.
+"""The grid of settings (TTL and capacity per tier, NVMe admission) and its evaluation, in parallel
+processes.
 
-A setting is ``(dram_gb, dram_ttl, nvme_gb, nvme_ttl)``. Each one is a full replay of the trace
+A setting is ``(dram_gb, dram_ttl, nvme_gb, nvme_ttl, admit_after)`` (a 4-tuple means admit_after
+0: every block written to NVMe). Each one is a full replay of the trace
 through :class:`~kvstore.tune.simulate.Simulator`. Work is skipped, exactly, where a replay
 shows that a coordinate never mattered: if a tier never filled up (its capacity was never
 consulted), every larger capacity gives the same run; if no entry of a tier was ever seen past
-its TTL, every longer TTL does. Points are evaluated in waves of increasing rank (the sum of
-their coordinates' positions), so each point's smaller neighbours are known before it runs.
+its TTL, every longer TTL does (admit_after is never skipped that way). Points are evaluated
+in waves of increasing rank (the sum of their coordinates' positions), so each point's smaller
+neighbours are known before it runs.
 
 Search modes: ``full`` (every combination), ``staged`` (DRAM TTL x capacity with NVMe at its
 largest, then NVMe TTL x capacity with DRAM at the stage-1 pick: two slices instead of the
@@ -23,15 +26,21 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvstore.config import GiB
-from kvstore.tune.simulate import Simulator
+from kvstore.tune.simulate import Simulator, per_hour
 from kvstore.tune.traces import Trace
 
 DEFAULT_DRAM_TTLS: tuple[float | None, ...] = (30, 60, 120, 300, 600, 1800, 3600, None)
 DEFAULT_NVME_TTLS: tuple[float | None, ...] = (600, 1800, 3600, 4 * 3600, 12 * 3600, 86400, None)
 DEFAULT_FRACTIONS = (1.0, 0.5, 0.25)
+DEFAULT_ADMIT_AFTER = (0, 2)  # tiers.nvme.admit_after tried (1 is 0: a block's store is its first ask)
 AUTO_FULL_LIMIT = 5_000_000  # request replays (points x requests) below which ``auto`` runs the full grid
 
-Setting = tuple  # (dram_gb, dram_ttl, nvme_gb, nvme_ttl)
+Setting = tuple  # (dram_gb, dram_ttl, nvme_gb, nvme_ttl, admit_after)
+
+
+def full_setting(s: Setting) -> Setting:
+    """A 4-tuple setting with its admit_after (0) appended; a 5-tuple as it is."""
+    return tuple(s) if len(s) >= 5 else tuple(s) + (0,)
 
 
 @dataclass(frozen=True)
@@ -55,20 +64,23 @@ def ttl_key(ttl: float | None) -> float:
 def tiers_of(s: Setting, c: Common) -> dict:
     return {"dram": {"capacity_gb": s[0], "ttl_s": s[1], "ttl_shared_s": c.dram_ttl_shared, "policy": c.dram_policy,
                      "headroom_blocks": c.dram_headroom},
-            "nvme": {"capacity_gb": s[2], "ttl_s": s[3], "ttl_shared_s": c.nvme_ttl_shared, "policy": c.nvme_policy}}
+            "nvme": {"capacity_gb": s[2], "ttl_s": s[3], "ttl_shared_s": c.nvme_ttl_shared, "policy": c.nvme_policy,
+                     "admit_after": full_setting(s)[4]}}
 
 
 def make_sim(s: Setting, c: Common, **kw) -> Simulator:
     return Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB),
                      dram_ttl=s[1], nvme_ttl=s[3], dram_ttl_shared=c.dram_ttl_shared,
                      nvme_ttl_shared=c.nvme_ttl_shared, dram_policy=c.dram_policy, nvme_policy=c.nvme_policy,
-                     write_mode=c.write_mode, nvme_header=c.nvme_header, dram_headroom=c.dram_headroom, **kw)
+                     write_mode=c.write_mode, nvme_header=c.nvme_header, dram_headroom=c.dram_headroom,
+                     admit_after=full_setting(s)[4], **kw)
 
 
 def run_point(trace: Trace, s: Setting, c: Common, rate: float = 1.0) -> dict:
     """One replay. ``rate`` < 1: ``trace`` is a session sample of that rate; capacities are
     scaled down by it and counts scaled back up, so results read as full-trace estimates."""
-    sim = make_sim((s[0] * rate, s[1], s[2] * rate, s[3]), c)
+    s = full_setting(s)
+    sim = make_sim((s[0] * rate, s[1], s[2] * rate, s[3], s[4]), c)
     req = sim.request
     t0 = time.perf_counter()
     for r in trace.requests():
@@ -86,7 +98,8 @@ def run_point(trace: Trace, s: Setting, c: Common, rate: float = 1.0) -> dict:
 
 
 _COUNTS = ("requests", "replay_requests", "prompt_tokens", "saved_prefill_tokens", "replay_hit_tokens",
-           "genuine_hit_tokens", "lookup_tokens", "tail_tokens", "demotions", "promotions")
+           "genuine_hit_tokens", "lookup_tokens", "tail_tokens", "demotions", "promotions", "nvme_not_admitted",
+           "nvme_written_bytes")
 _COUNT_MAPS = ("hit_tokens_by_tier", "misses_by_reason", "evicted_for_capacity", "expired")
 
 
@@ -98,6 +111,7 @@ def _unscale(r: dict, f: float) -> None:
     for h in r["bytes_held"].values():
         for k in ("p50", "p99", "max", "mean"):
             h[k] = h[k] * f
+    r["nvme_written_bytes_per_hour"] = per_hour(r["nvme_written_bytes"], r["duration_s"])
 
 
 def _set_capacities(r: dict, s: Setting, c: Common) -> None:
@@ -125,7 +139,7 @@ class Evaluator:
     def __init__(self, trace: Trace, common: Common, axes: Sequence[Sequence], jobs: int = 1,
                  progress: Callable[[int, int, int], None] | None = None, rate: float = 1.0):
         self.trace, self.common, self.rate = trace, common, rate
-        self.axes = [list(a) for a in axes]  # each sorted ascending (None TTL last)
+        self.axes = [list(a) for a in axes] + [[0]] * (5 - len(axes))  # each sorted ascending (None TTL last)
         self.jobs = max(1, jobs)
         self.results: dict[Setting, dict] = {}
         self.simulated = 0
@@ -160,7 +174,7 @@ class Evaluator:
     def _source(self, s: Setting) -> Setting | None:
         """An evaluated neighbour one step smaller on one axis that did not consult that axis."""
         idx = self._index(s)
-        for a in range(4):
+        for a in range(4):  # not admit_after: a larger one can turn blocks away that a smaller admits
             if idx[a] == 0:
                 continue
             q = list(s)
@@ -176,6 +190,7 @@ class Evaluator:
         return None
 
     def evaluate(self, settings: Sequence[Setting]) -> list[dict]:
+        settings = [full_setting(s) for s in settings]
         want = [s for s in dict.fromkeys(settings) if s not in self.results]
         waves: dict[int, list[Setting]] = {}
         for s in want:

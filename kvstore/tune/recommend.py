@@ -5,8 +5,10 @@ the net value ``saved x price_per_token - sum_tiers(price_per_GB_hour x mean GB 
 (mean GB held: the time average of the bytes the tier holds over the trace). Settings within
 ``tol`` of the best (default 0.1 % of the prompt tokens, in the objective's unit) count as
 equally good; among those, the one serving the most tokens from DRAM (faster loads, within
-``tol``), then the smallest footprint (mean DRAM bytes, mean NVMe bytes, capacities, TTLs).
-So when every think time is under a minute, a TTL just over a minute wins over longer ones.
+``tol``), then the smallest footprint (mean DRAM bytes, mean NVMe bytes, capacities, TTLs, NVMe
+bytes written). So when every think time is under a minute, a TTL just over a minute wins over
+longer ones, and an NVMe admission filter (``admit_after``) that loses no hits wins over none:
+it holds fewer bytes on NVMe and writes fewer.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class CostModel:
 
 def setting(r: dict) -> tuple:
     t = r["tiers"]
-    return (t["dram"]["capacity_gb"], t["dram"]["ttl_s"], t["nvme"]["capacity_gb"], t["nvme"]["ttl_s"])
+    return (t["dram"]["capacity_gb"], t["dram"]["ttl_s"], t["nvme"]["capacity_gb"], t["nvme"]["ttl_s"],
+            t["nvme"].get("admit_after", 0))
 
 
 def objective(r: dict, cost: CostModel | None) -> float:
@@ -49,7 +52,7 @@ def objective(r: dict, cost: CostModel | None) -> float:
 def footprint(r: dict) -> tuple:
     bh, t = r["bytes_held"], r["tiers"]
     return (bh["dram"]["mean"], bh["nvme"]["mean"], t["dram"]["capacity_gb"], t["nvme"]["capacity_gb"],
-            ttl_key(t["dram"]["ttl_s"]), ttl_key(t["nvme"]["ttl_s"]))
+            ttl_key(t["dram"]["ttl_s"]), ttl_key(t["nvme"]["ttl_s"]), r.get("nvme_written_bytes", 0))
 
 
 def pick(points: list[dict], cost: CostModel | None = None, tol_pp: float = 0.1) -> dict:
@@ -90,17 +93,22 @@ def analyse(points: list[dict], rec: dict, tol_pp: float = 0.1) -> dict:
     """Per tier: is the capacity binding at the recommendation, and where the hit rate stops rising with TTL."""
     tol = tol_pp / 100.0 * max(1, rec["prompt_tokens"])
     pt = max(1, rec["prompt_tokens"])
-    s = setting(rec)
+    s0, rec0 = setting(rec), rec
     by = {setting(r): r for r in points}
+    a0 = min(p[4] for p in by)  # the grid's admit_after: the DRAM slices were searched there
     out = {}
     for tier, (ci, ti) in (("dram", (0, 1)), ("nvme", (2, 3))):
+        s, rec = s0, rec0
+        if tier == "dram" and s[4] != a0 and s[:4] + (a0,) in by:  # NVMe admission: read DRAM at a0
+            s = s[:4] + (a0,)
+            rec = by[s]
         info: dict = {"capacity_binding": False, "binding_at_every_ttl": False, "ttl_saturates_at": None,
                       "detail": ""}
         if s[ci] <= 0:
             info["detail"] = f"{tier} disabled (capacity 0)"
             out[tier] = info
             continue
-        caps = sorted({p[ci] for p in by if all(p[j] == s[j] for j in range(4) if j != ci)})
+        caps = sorted({p[ci] for p in by if all(p[j] == s[j] for j in range(len(s)) if j != ci)})
         lower = [c for c in caps if c < s[ci] and c > 0]
         at_budget = s[ci] == max(caps)
         evicts = rec["evicted_for_capacity"][tier] > 0
@@ -113,7 +121,7 @@ def analyse(points: list[dict], rec: dict, tol_pp: float = 0.1) -> dict:
             rising = rec["misses_by_reason"]["evicted"] > tol
         binding = at_budget and evicts and rising
         # the TTL slice at this capacity
-        ttl_pts = sorted((r for p, r in by.items() if all(p[j] == s[j] for j in range(4) if j != ti)),
+        ttl_pts = sorted((r for p, r in by.items() if all(p[j] == s[j] for j in range(len(s)) if j != ti)),
                          key=lambda r: ttl_key(setting(r)[ti]))
         # every TTL (even the shortest) evicts a meaningful amount for capacity: no TTL fits the budget
         every = bool(ttl_pts) and all(r["evicted_for_capacity"][tier] * _block_tokens(r) > tol for r in ttl_pts)

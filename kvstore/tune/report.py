@@ -10,7 +10,7 @@ from kvstore.config import from_dict, merge
 from kvstore.tune.grid import ttl_key
 from kvstore.tune.recommend import setting
 
-REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min")
+REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "not_admitted")
 
 
 def fmt_ttl(ttl: float | None) -> str:
@@ -52,26 +52,43 @@ def _held(r: dict, tier: str) -> str:
     return f"{fmt_bytes(h['p50'])} / {fmt_bytes(h['p99'])} / {fmt_bytes(h['max'])}"
 
 
+def _written(r: dict) -> str:
+    """NVMe bytes written per hour of trace (block bytes: kvstore_tier_written_bytes_total{tier="nvme"})."""
+    if not r["bytes_held"]["nvme"]["capacity"]:
+        return "-"
+    h = r.get("nvme_written_bytes_per_hour")
+    return "-" if h is None else fmt_bytes(h)
+
+
+def order(r: dict) -> tuple:
+    """Sort key of a grid point: its setting, a TTL of none last."""
+    s = setting(r)
+    return (s[0], ttl_key(s[1]), s[2], ttl_key(s[3]), s[4])
+
+
 def slices(points: Sequence[dict], rec: dict) -> list[dict]:
-    """The points that differ from the recommendation in at most one coordinate."""
+    """The points that differ from the recommendation in at most one coordinate (or from its twin
+    at the grid's admit_after, where the DRAM slices were searched)."""
     s = setting(rec)
-    out = [r for r in points if sum(a != b for a, b in zip(setting(r), s)) <= 1]
-    return sorted(out, key=lambda r: (r["tiers"]["dram"]["capacity_gb"], ttl_key(r["tiers"]["dram"]["ttl_s"]),
-                                      r["tiers"]["nvme"]["capacity_gb"], ttl_key(r["tiers"]["nvme"]["ttl_s"])))
+    refs = {s, s[:4] + (min(setting(r)[4] for r in points),)}
+    out = [r for r in points if any(sum(a != b for a, b in zip(setting(r), q)) <= 1 for q in refs)]
+    return sorted(out, key=order)
 
 
 def table(rows: Sequence[dict], rec: dict | None = None) -> str:
-    head = ("| | DRAM GB | DRAM TTL | NVMe GB | NVMe TTL | hit % | DRAM % | NVMe % | replay % | genuine % "
+    head = ("| | DRAM GB | DRAM TTL | NVMe GB | NVMe TTL | NVMe admit after | hit % | NVMe written / h "
+            "| DRAM % | NVMe % | replay % | genuine % "
             "| prefill saved (tokens) | DRAM held p50 / p99 / max | NVMe held p50 / p99 / max "
-            "| misses % (never / evicted / expired / diverged / below min) |")
+            "| misses % (never / evicted / expired / diverged / below min / not admitted) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r["tiers"]
         pt = max(1, r["prompt_tokens"])
         mark = "**→**" if rec is not None and setting(r) == setting(rec) else ""
-        miss = " / ".join(f"{r['misses_by_reason'][k] / pt * 100:.1f}" for k in REASONS)
+        miss = " / ".join(f"{r['misses_by_reason'].get(k, 0) / pt * 100:.1f}" for k in REASONS)
         lines.append(f"| {mark} | {t['dram']['capacity_gb']:g} | {fmt_ttl(t['dram']['ttl_s'])} | "
-                     f"{t['nvme']['capacity_gb']:g} | {fmt_ttl(t['nvme']['ttl_s'])} | {r['hit_rate'] * 100:.1f} | "
+                     f"{t['nvme']['capacity_gb']:g} | {fmt_ttl(t['nvme']['ttl_s'])} | "
+                     f"{t['nvme'].get('admit_after', 0)} | {r['hit_rate'] * 100:.1f} | {_written(r)} | "
                      f"{r['hit_rate_by_tier']['dram'] * 100:.1f} | {r['hit_rate_by_tier']['nvme'] * 100:.1f} | "
                      f"{r['replay_hit_rate'] * 100:.1f} | {r['genuine_hit_rate'] * 100:.1f} | "
                      f"{r['saved_prefill_tokens']:,} | {_held(r, 'dram')} | {_held(r, 'nvme')} | {miss} |")
@@ -106,12 +123,14 @@ def markdown(res: dict, all_rows: bool = False) -> str:
         if res.get("cost_model") else ""))
     out += ["", "## Recommended", ""]
     out.append(f"`tiers.dram`: capacity_gb {t['dram']['capacity_gb']:g}, ttl_s {fmt_ttl(t['dram']['ttl_s'])}; "
-               f"`tiers.nvme`: capacity_gb {t['nvme']['capacity_gb']:g}, ttl_s {fmt_ttl(t['nvme']['ttl_s'])}"
+               f"`tiers.nvme`: capacity_gb {t['nvme']['capacity_gb']:g}, ttl_s {fmt_ttl(t['nvme']['ttl_s'])}, "
+               f"admit_after {t['nvme'].get('admit_after', 0)}"
                + (f" → `{res['out']}`" if res.get("out") else ""))
     out.append(f"Hit rate {rec['hit_rate']:.1%} (DRAM {rec['hit_rate_by_tier']['dram']:.1%}, NVMe "
                f"{rec['hit_rate_by_tier']['nvme']:.1%}; replay {rec['replay_hit_rate']:.1%}, genuine "
                f"{rec['genuine_hit_rate']:.1%}), {rec['saved_prefill_tokens']:,} prefill tokens saved"
-               + (f", net value {rec['value']:,.4g}" if "value" in rec else "") + ".")
+               + (f", net value {rec['value']:,.4g}" if "value" in rec else "")
+               + (f"; NVMe written {_written(rec)} per hour" if _written(rec) != "-" else "") + ".")
     for tier in ("dram", "nvme"):
         a = an[tier]
         line = f"- {tier.upper()}: {a['detail']}"
@@ -122,9 +141,7 @@ def markdown(res: dict, all_rows: bool = False) -> str:
                 line += f"; its hit rate stops rising at TTL {fmt_ttl(a['ttl_saturates_at'])}"
         out.append(line)
     out += ["", "## Settings" + ("" if all_rows else " (through the recommendation, one coordinate varied)"), ""]
-    rows = sorted(res["grid"], key=lambda r: setting(r)[:1] + (ttl_key(setting(r)[1]), setting(r)[2],
-                                                                 ttl_key(setting(r)[3]))) if all_rows \
-        else slices(res["grid"], rec)
+    rows = sorted(res["grid"], key=order) if all_rows else slices(res["grid"], rec)
     out.append(table(rows, rec if not res.get("confirmed") else
                      next((r for r in res["grid"] if setting(r) == setting(rec)), None)))
     if res.get("confirmed"):
@@ -143,6 +160,7 @@ def write_yaml(path: str, rec: dict, base: dict | None, header: str) -> dict:
     over = {"tiers": {tier: {"capacity_gb": t[tier]["capacity_gb"], "ttl_s": t[tier]["ttl_s"],
                              "ttl_shared_s": t[tier]["ttl_shared_s"], "policy": t[tier]["policy"]}
                       for tier in ("dram", "nvme")}}
+    over["tiers"]["nvme"]["admit_after"] = t["nvme"].get("admit_after", 0)
     cfg = from_dict(merge(base or {}, over))
     d = cfg.to_dict()
     d["tiers"]["dram"]["capacity_gb"] = _num(d["tiers"]["dram"]["capacity_gb"])
@@ -185,7 +203,8 @@ def plots(out_dir: str, grid: Sequence[dict], rec: dict) -> list[str]:
     s = setting(rec)
     files = []
     for tier, (ci, ti) in (("dram", (0, 1)), ("nvme", (2, 3))):
-        pts = [r for r in grid if all(setting(r)[j] == s[j] for j in range(4) if j not in (ci, ti))]
+        sl = s if tier == "nvme" else s[:4] + (min(setting(r)[4] for r in grid),)  # (see recommend.analyse)
+        pts = [r for r in grid if all(setting(r)[j] == sl[j] for j in range(len(sl)) if j not in (ci, ti))]
         ttls = sorted({setting(r)[ti] for r in pts}, key=ttl_key)
         finite = [x for x in ttls if x is not None]
         if not pts or not ttls or s[ci] <= 0:

@@ -5,7 +5,7 @@
 makes for one request of the connector — ``contains_prefix``, a load of the matched prefix
 (``get``: pin, count hits, promote NVMe blocks into DRAM) and a ``put`` of the prompt's full
 blocks — with the store's cross-tier rules, which come from :mod:`kvstore.placement` (the
-module the store calls too):
+module the store calls too; the store's pieces are in :mod:`kvstore.tune.simtiers`):
 
 * a DRAM victim (expired or evicted for capacity) is demoted to NVMe unless NVMe already holds
   it or it is already past NVMe's TTL (counted from its last access); the NVMe copy keeps the
@@ -19,8 +19,15 @@ module the store calls too):
 * entry sizes: a DRAM slot is the block rounded up to 4 KiB, DRAM capacity a whole number of
   slots; an NVMe file is the same padded size (the ``xattr`` header layout, the default where
   the file system keeps xattrs; ``nvme_header="inline"`` adds the 4 KiB header);
+* admission to NVMe (``tiers.nvme.admit_after``) as the store's
+  (:class:`kvstore.placement.Admission`): a block's asks are its commit and its hits (counted by
+  :class:`kvstore.index.TierIndex`), plus those remembered from when it was turned away; a DRAM
+  victim without them is dropped, a store straight to NVMe without them is not written; NVMe
+  bytes written are counted (block bytes, as the store's
+  ``kvstore_tier_written_bytes_total{tier="nvme"}``);
 * miss reasons as the store's: ``expired`` (still indexed, past its TTL), then what the store
-  remembers about keys that left (a bounded "ghost" list: ``evicted`` / ``expired``), then
+  remembers about keys that left (a bounded "ghost" list: ``evicted`` / ``expired`` /
+  ``not_admitted``), then
   ``diverged`` (a prefix matched) or ``never_stored``; ``below_min`` for a request without a
   full block.
 
@@ -39,18 +46,20 @@ from typing import Hashable, Sequence
 
 from kvstore import placement
 from kvstore.fileformat import file_bytes, round_up
-from kvstore.index import EXPIRED, READY, Entry, TierIndex
+from kvstore.index import READY, Entry, TierIndex
 from kvstore.policy import make_policy
+from kvstore.tune.simtiers import SimTiers
+
 
 def _none(_k):
     return None
 
 
-REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min")
+REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "not_admitted")
 GHOST_CAPACITY = 1 << 17  # KVStore's default ghost_capacity
 
 
-class Simulator:
+class Simulator(SimTiers):
     """Two tiers (either may be disabled with capacity 0) and the store's rules between them."""
 
     def __init__(self, *, block_bytes: int, dram_bytes: int, nvme_bytes: int,
@@ -58,7 +67,7 @@ class Simulator:
                  dram_ttl_shared: float | None = None, nvme_ttl_shared: float | None = None,
                  dram_policy: str = "lru", nvme_policy: str = "lru", write_mode: str = "write_back",
                  nvme_header: str = "xattr", ghost_capacity: int = GHOST_CAPACITY,
-                 record_samples: bool = True, dram_headroom: int | str = 0):
+                 record_samples: bool = True, dram_headroom: int | str = 0, admit_after: int = 0):
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if write_mode not in ("write_back", "write_through"):
@@ -81,6 +90,7 @@ class Simulator:
         self.skipped = 0  # blocks that found no free DRAM slot
         self._ghosts: OrderedDict[Hashable, str] = OrderedDict()
         self._ghost_cap = ghost_capacity
+        self.adm = placement.Admission(admit_after if self.N is not None else 0, ghost_capacity)
         self.record_samples = record_samples
         # results
         self.requests = 0
@@ -96,6 +106,8 @@ class Simulator:
         self.expired = {"dram": 0, "nvme": 0}
         self.demotions = 0
         self.promotions = 0
+        self.nvme_writes = 0  # blocks written to NVMe (demotions, write-through copies, puts)
+        self.not_admitted = 0  # blocks not written to NVMe for want of asks (admit_after)
         self.samples = {"dram": array("q"), "nvme": array("q")}  # bytes held at each request
         self.byte_seconds = {"dram": 0.0, "nvme": 0.0}  # time integral of bytes held
         self.t0: float | None = None
@@ -113,141 +125,8 @@ class Simulator:
                    nvme_bytes=n.capacity_bytes if n.enabled else 0, dram_ttl=d.ttl_s, nvme_ttl=n.ttl_s,
                    dram_ttl_shared=d.ttl_shared_s, nvme_ttl_shared=n.ttl_shared_s, dram_policy=d.policy,
                    nvme_policy=n.policy, write_mode=n.write_mode,
-                   nvme_header="inline" if n.header == "inline" else "xattr", dram_headroom=d.headroom_blocks, **kw)
-
-    # -- the store's pieces ----------------------------------------------------------------------
-    def _name(self, ix: TierIndex) -> str:
-        return "dram" if ix is self.D else "nvme"
-
-    def _holds(self, ix: TierIndex, k: Hashable, now: float) -> bool:
-        """Tier.holds: READY and unexpired, or being written."""
-        e = ix.entries.get(k)
-        if e is None:
-            return False
-        if e.state != READY:
-            return True
-        if ix.lookup(k, now) is not None:
-            return True
-        self.ttl_used[self._name(ix)] = True
-        return False
-
-    def _reserve(self, ix: TierIndex, keys: Sequence[Hashable], nbytes: int, now: float) -> list[Entry | None]:
-        """Tier.reserve: WRITING entries (None where present or no room); victims then go to _evict."""
-        out: list[Entry | None] = []
-        evicted: list[Entry] = []
-        entries = ix.entries
-        reserve = ix.reserve
-        for k in keys:
-            old = entries.get(k)
-            if old is not None:
-                if old.state == READY and old.expire_at <= now and not old.pins:
-                    self.ttl_used["dram" if ix is self.D else "nvme"] = True
-                    evicted.append(ix.remove(k, EXPIRED))  # present but expired: replace
-                else:
-                    out.append(None)
-                    continue
-            if ix.used + nbytes > ix.capacity:
-                self.cap_used["dram" if ix is self.D else "nvme"] = True
-            e, ev = reserve(k, nbytes, now)
-            if ev:
-                evicted.extend(ev)
-            out.append(e)
-        if evicted:
-            self._evict(ix, evicted, now)
-        if ix is self.D:  # Tier.attach: free slots in order, never waiting
-            kept, skipped = placement.split_by_slots(out, self.free_slots)
-            if skipped:
-                for e, k in zip(out, kept):
-                    if e is not None and k is None:
-                        ix.abort(e)
-                self.skipped += skipped
-            self.free_slots -= sum(1 for e in kept if e is not None)
-            out = kept
-        return out
-
-    def _evict(self, ix: TierIndex, evicted: list[Entry], now: float) -> None:
-        name = self._name(ix)
-        exp = 0
-        for e in evicted:
-            if e.reason == EXPIRED:
-                exp += 1
-        if exp:
-            self.ttl_used[name] = True
-            self.expired[name] += exp
-        self.evicted[name] += len(evicted) - exp
-        if ix is self.D:
-            self._demote(evicted, now)
-        else:
-            D = self.D
-            self._remember_gone([e for e in evicted if D is None or D.lookup(e.key, now) is None])
-
-    def _demote(self, entries: list[Entry], now: float) -> None:
-        """Demoter.take: the placement rules per victim; a write holds the slot until _complete."""
-        N = self.N
-        ttl = N.ttl if N is not None else None
-        todo, lost = [], []
-        for e in entries:
-            act = placement.demote_action(e.last_access, now, has_lower=N is not None,
-                                          lower_holds=N is not None and self._holds(N, e.key, now), lower_ttl=ttl)
-            if act == placement.DEMOTE:
-                todo.append(e)
-                continue
-            self.free_slots += 1
-            if act == placement.STALE:
-                self.ttl_used["nvme"] = True
-                self._remember_gone([e], EXPIRED)
-            elif act == placement.NO_LOWER:
-                lost.append(e)
-        if todo:
-            for ne, e in zip(self._reserve(N, [e.key for e in todo], self.nvme_entry_bytes, now), todo):
-                if ne is None:
-                    self.free_slots += 1
-                    lost.append(e)
-                else:
-                    ne.last_access = e.last_access
-                    self._deferred.append((ne, e))
-        if lost:
-            self._remember_gone(lost)
-
-    def _complete(self, now: float) -> None:
-        """The end of a store call: background writes complete, in the order they started."""
-        N, D = self.N, self.D
-        for ne, e in self._deferred:
-            if e is None:  # a write-through copy of a block that left DRAM meanwhile: dropped
-                N.abort(ne)
-            elif isinstance(e, tuple):  # a write-through copy (its DRAM entry pinned meanwhile)
-                N.commit(ne, now)
-                D.unpin(e[0])
-            else:  # a demotion: the NVMe copy keeps the DRAM recency; the slot is free again
-                N.commit(ne, e.last_access)
-                self.demotions += 1
-                self.free_slots += 1
-        self._deferred.clear()
-
-    def _remember_gone(self, entries: list[Entry], reason: str | None = None) -> None:
-        g = self._ghosts
-        for e in entries:
-            g[e.key] = placement.gone_reason(reason or e.reason)
-            g.move_to_end(e.key)
-        while len(g) > self._ghost_cap:
-            g.popitem(last=False)
-
-    def _forget_gone(self, keys) -> None:
-        g = self._ghosts
-        if g:
-            for k in keys:
-                g.pop(k, None)
-
-    def _miss_reason(self, k: Hashable, at: int, now: float) -> str:
-        expired = False
-        for ix in (self.D, self.N):
-            if ix is not None:
-                e = ix.entries.get(k)
-                if e is not None and e.state == READY and e.expire_at <= now:
-                    self.ttl_used[self._name(ix)] = True
-                    expired = True
-                    break
-        return placement.miss_reason(expired=expired, remembered=self._ghosts.get(k), at=at)
+                   nvme_header="inline" if n.header == "inline" else "xattr", dram_headroom=d.headroom_blocks,
+                   admit_after=n.admit_after, **kw)
 
     # -- one request -----------------------------------------------------------------------------
     def request(self, t: float, session: Hashable, keys: Sequence[Hashable], prompt_tokens: int,
@@ -352,6 +231,7 @@ class Simulator:
         if D is not None:
             for de in dres:
                 if de is not None:
+                    de.asks = self.adm.after  # a copy from NVMe was admitted already (KVStore._reserve_dram)
                     D.commit(de, now)
                     self.promotions += 1
             for e in dents:
@@ -385,6 +265,11 @@ class Simulator:
             entries = [got.pop(k, None) for k in keys]
         else:
             entries = self._reserve(D, keys, self.slot_bytes, now)
+        adm = self.adm
+        if adm.active:  # KVStore._reserve_dram(stored=True): the asks remembered for it
+            for e in entries:
+                if e is not None:
+                    e.asks = adm.recall(e.key)
         # end_store: commit, last block first
         stored = []
         for e in reversed(entries):
@@ -394,37 +279,16 @@ class Simulator:
         self._forget_gone(stored)
         if stored and self.write_through and N is not None:
             stored.reverse()  # the keys' order
-            self._write_through(stored, now)
+            if adm.active:  # blocks short of their asks: written at eviction if they get them
+                stored = [e.key for e in entries if e is not None and adm.admits(e.asks)]
+            if stored:
+                self._write_through(stored, now)
         if N is not None:
             # no DRAM slot: straight to NVMe (written by put itself)
             rest = [k for k, e in zip(keys, entries) if e is None and not self._holds(D, k, now)]
             if rest:
                 self._put_nvme(rest, now)
         self._complete(now)
-
-    def _put_nvme(self, keys: Sequence[Hashable], now: float) -> None:
-        N = self.N
-        entries = self._reserve(N, keys, self.nvme_entry_bytes, now)
-        stored = []
-        for e in reversed(entries):
-            if e is not None:
-                N.commit(e, now)
-                stored.append(e.key)
-        self._forget_gone(stored)
-
-    def _write_through(self, keys: list[Hashable], now: float) -> None:
-        """KVStore._write_through: pin the DRAM copies, reserve NVMe now, copy in the background."""
-        D, N = self.D, self.N
-        dents = [D.lookup(k, now) for k in keys]
-        for e in dents:
-            if e is not None:
-                e.pins += 1
-        nents = self._reserve(N, keys, self.nvme_entry_bytes, now)
-        for de, ne in zip(dents, nents):
-            if ne is not None:
-                self._deferred.append((ne, (de,) if de is not None else None))
-            elif de is not None:
-                D.unpin(de)
 
     # -- results -----------------------------------------------------------------------------------
     def result(self) -> dict:
@@ -459,10 +323,19 @@ class Simulator:
             "expired": dict(self.expired),
             "demotions": self.demotions,
             "promotions": self.promotions,
+            "admit_after": self.adm.after,
+            "nvme_not_admitted": self.not_admitted,
+            "nvme_written_bytes": self.nvme_writes * self.block_bytes,
+            "nvme_written_bytes_per_hour": per_hour(self.nvme_writes * self.block_bytes, dur),
             "duration_s": dur,
             "capacity_consulted": dict(self.cap_used),
             "ttl_consulted": dict(self.ttl_used),
         }
+
+
+def per_hour(n: float, seconds: float) -> float | None:
+    """``n`` per hour of trace (None for a trace without duration)."""
+    return n * 3600.0 / seconds if seconds > 0 else None
 
 
 def _pct(a: array, q: float) -> float:

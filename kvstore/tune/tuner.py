@@ -4,6 +4,10 @@
 * ``staged``: DRAM TTL x capacity with NVMe at its largest capacity and TTL; then NVMe TTL x
   capacity with DRAM at the stage-1 pick (the two slices instead of their product).
 * ``auto``: ``full`` when it is at most ``work_limit`` block visits, else ``staged``.
+* then, when there are several ``admit_after`` candidates (``tiers.nvme.admit_after``), the NVMe
+  slice (capacity x TTL) at the pick so far is replayed for each other candidate (the search
+  above runs at the first one): an admission filter changes what NVMe holds and how much is
+  written to it, not what DRAM does.
 
 Work is counted in block visits (requests x blocks per request: a replay costs ~3 us per block
 visit per process, whatever the request count). Sampling (``sample`` < 1, or ``auto`` when the
@@ -51,11 +55,15 @@ def tune(trace: Trace, common: G.Common, axes: Sequence[Sequence], *, search: st
          confirm: int | None = None, work_limit: int = WORK_LIMIT, confirm_limit: int = CONFIRM_LIMIT,
          progress: Callable[[str, int, int, int], None] | None = None) -> dict:
     """Run the search; returns the grid, the recommendation and its analysis (see cli for the keys)."""
-    dram_gbs, dram_ttls, nvme_gbs, nvme_ttls = (list(a) for a in axes)
-    full = [(dc, dt, nc, nt) for dc in dram_gbs for dt in dram_ttls for nc in nvme_gbs for nt in nvme_ttls]
-    n_staged = len(dram_gbs) * len(dram_ttls) + len(nvme_gbs) * len(nvme_ttls)
+    axes = [list(a) for a in axes] + [[0]] * (5 - len(axes))
+    dram_gbs, dram_ttls, nvme_gbs, nvme_ttls, admits = axes
+    a0 = admits[0]
+    full = [(dc, dt, nc, nt, a0) for dc in dram_gbs for dt in dram_ttls for nc in nvme_gbs for nt in nvme_ttls]
+    admission = [(nc, nt, a) for a in admits[1:] for nc in nvme_gbs if nc > 0 for nt in nvme_ttls]
+    n_staged = len(dram_gbs) * len(dram_ttls) + len(nvme_gbs) * len(nvme_ttls) + len(admission)
     visits = trace.block_visits
-    search, rate = choose(len(trace), trace.n_sessions, len(full), n_staged, search, sample, work_limit, visits)
+    search, rate = choose(len(trace), trace.n_sessions, len(full) + len(admission), n_staged, search, sample,
+                          work_limit, visits)
     screen = trace.sample_sessions(rate) if rate < 1 else trace
     if not len(screen):
         screen, rate = trace, 1.0
@@ -69,9 +77,12 @@ def tune(trace: Trace, common: G.Common, axes: Sequence[Sequence], *, search: st
         if search == "full":
             ev.evaluate(full)
         else:
-            stage1 = [(dc, dt, nvme_gbs[-1], nvme_ttls[-1]) for dc in dram_gbs for dt in dram_ttls]
+            stage1 = [(dc, dt, nvme_gbs[-1], nvme_ttls[-1], a0) for dc in dram_gbs for dt in dram_ttls]
             p1 = setting(pick(ev.evaluate(stage1), cost, tol_pp))
-            ev.evaluate([(p1[0], p1[1], nc, nt) for nc in nvme_gbs for nt in nvme_ttls])
+            ev.evaluate([(p1[0], p1[1], nc, nt, a0) for nc in nvme_gbs for nt in nvme_ttls])
+        if admission:
+            p2 = setting(pick(list(ev.results.values()), cost, tol_pp))
+            ev.evaluate([(p2[0], p2[1], nc, nt, a) for nc, nt, a in admission])
         points = list(ev.results.values())
         simulated, reused = ev.simulated, ev.copied
     t_screen = time.perf_counter() - t0

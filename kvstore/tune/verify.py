@@ -1,6 +1,7 @@
 """Replay a trace through a real :class:`kvstore.store.KVStore` (virtual clock, real DRAM pool and
 NVMe files), request by request as the connector drives it: ``contains_prefix``, ``get`` of the
-matched prefix, ``put`` of the prompt's full blocks. The reference the simulator is checked
+matched prefix, ``put`` of the prompt's full blocks. Besides hits and miss reasons it reports
+what was written to NVMe and what admission (``tiers.nvme.admit_after``) turned away. The reference the simulator is checked
 against (``kvstore tune --verify``, tests/test_tune.py).
 
 Both follow :mod:`kvstore.placement`; what this checks is the rest (the order of index calls).
@@ -105,7 +106,11 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
                     store.put(keys, rows)
                     io.run()
             used = {t.name: t.used_bytes for t in store.tiers}
+            m = store.metrics  # before close (it writes DRAM-only blocks down)
+            written = int(m.value("kvstore_tier_written_bytes_total", tier="nvme"))
+            away = int(m.value("kvstore_tier_skipped_blocks_total", tier="nvme", reason="not_admitted"))
     p = prompt or 1
     return {"hit_rate": (hits["dram"] + hits["nvme"]) / p,
             "hit_rate_by_tier": {"dram": hits["dram"] / p, "nvme": hits["nvme"] / p},
-            "replay_hit_tokens": replay_hits, "misses_by_reason": dict(miss), "bytes_held_end": used}
+            "replay_hit_tokens": replay_hits, "misses_by_reason": dict(miss), "bytes_held_end": used,
+            "nvme_written_bytes": written, "nvme_not_admitted": away}
