@@ -28,18 +28,18 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
 GiB = 1 << 30
 
-CODECS = ("none", "int8", "fp8", "zstd", "int8+zstd", "fp8+zstd")
 O_DIRECT_CHOICES = ("auto", True, False)
 WRITE_MODES = ("write_back", "write_through")
 PIN_CHOICES = ("auto", True, False)
 REMOTE_WRITE_MODES = ("write_through",)  # write-back to a shared tier: not built (see RemoteConfig)
 HEADER_CHOICES = ("auto", "xattr", "inline")
+BOOL = (True, False)
 
 
 class ConfigError(ValueError):
@@ -56,7 +56,13 @@ def _policy_names() -> tuple[str, ...]:
     return tuple(sorted(POLICIES))
 
 
-# -- field validators --------------------------------------------------------------------------
+def _codec_names() -> tuple[str, ...]:
+    from kvstore.codecs.registry import CODECS
+
+    return tuple(CODECS)
+
+
+# -- field validators: (key, value, **options) -> the value to keep, or ConfigError -------------
 
 
 def _number(key: str, v: Any, *, minimum: float = 0.0, allow_none: bool = False) -> float | None:
@@ -85,7 +91,8 @@ def _auto_or_int(key: str, v: Any) -> int | str:
     return v
 
 
-def _choice(key: str, v: Any, choices: tuple) -> Any:
+def _choice(key: str, v: Any, choices: tuple | Callable[[], tuple]) -> Any:
+    choices = choices() if callable(choices) else choices
     if isinstance(v, str):
         low = v.strip().lower()
         if low in ("true", "false") and (True in choices):
@@ -98,82 +105,121 @@ def _choice(key: str, v: Any, choices: tuple) -> Any:
     raise ConfigError(key, v, " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices))
 
 
+def _path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v.strip()):
+        raise ConfigError(key, v, f"a {what} path (string) or null")
+    return (os.path.expanduser(v) if expand else v) if v else None
+
+
+def _remote_url(key: str, v: Any, cluster: bool):
+    urls = v if isinstance(v, list) else [v]
+    if v is None:
+        return None
+    if not urls or (isinstance(v, list) and not cluster and len(urls) != 1):
+        raise ConfigError(key, v, "one redis:// or rediss:// url (a list of seed nodes only with cluster: true)")
+    for u in urls:
+        if isinstance(u, str) and "@" in u:
+            raise ConfigError(key, "<a url with credentials>", "a url without credentials: they come from the "
+                              "environment only (KVSTORE_REDIS_USERNAME, KVSTORE_REDIS_PASSWORD)")
+        if not isinstance(u, str) or not u.startswith(("redis://", "rediss://")) or len(u) <= len("rediss://"):
+            raise ConfigError(key, u,
+                              "redis://host:port[/db] or rediss://host:port[/db] (a list with cluster: true), or null")
+    return list(urls) if isinstance(v, list) else v
+
+
+def _f(default: Any, check: Callable, *, needs: tuple[str, ...] = (), **options) -> Any:
+    """A config field: its default, and its validator (with options; ``needs``: fields of the
+    same section it is checked against, passed by name). Adding a key is adding a line here."""
+    return field(default=default, metadata={"check": check, "options": options, "needs": needs})
+
+
+def _sec(cls) -> Any:
+    """A nested section (a mapping; null = empty)."""
+    return field(default_factory=cls, metadata={"section": cls})
+
+
 # -- the config objects -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DramConfig:
-    capacity_gb: float = 4.0
-    ttl_s: float | None = 3600.0
-    ttl_shared_s: float | None = None  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
-    policy: str = "lru"
-    codec: str = "none"
-    pin_memory: Any = "auto"  # auto: pin through torch when CUDA is available
-    headroom_blocks: Any = "auto"  # slots held back for victims being demoted; auto: 1/8 of them
-
+class _Sized:
     @property
     def capacity_bytes(self) -> int:
-        return int(self.capacity_gb * GiB)
+        return int(self.capacity_gb * GiB)  # type: ignore[attr-defined]
 
     @property
     def enabled(self) -> bool:
         return self.capacity_bytes > 0
 
 
+_TTL = dict(allow_none=True)
+
+
 @dataclass(frozen=True)
-class NvmeConfig:
-    path: str | None = None  # null: a private temporary folder, removed at close
-    capacity_gb: float = 100.0
-    ttl_s: float | None = 86400.0
-    ttl_shared_s: float | None = None  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
-    policy: str = "lru"
-    codec: str = "none"
-    zstd_level: int = 3  # for the +zstd codecs (1 fast .. 19 small)
-    o_direct: Any = "auto"
-    write_mode: str = "write_back"
-    io_threads: int = 4
-    header: str = "auto"  # auto | xattr | inline: where a block file keeps its header
-    admit_after: int = 0  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
+class DramConfig(_Sized):
+    capacity_gb: float = _f(4.0, _number)
+    ttl_s: float | None = _f(3600.0, _number, **_TTL)
+    ttl_shared_s: float | None = _f(None, _number, **_TTL)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
+    policy: str = _f("lru", _choice, choices=_policy_names)
+    codec: str = _f("none", _choice, choices=_codec_names)
+    pin_memory: Any = _f("auto", _choice, choices=PIN_CHOICES)  # auto: pin through torch when CUDA is available
+    headroom_blocks: Any = _f("auto", _auto_or_int)  # slots held back for victims being demoted; auto: 1/8 of them
 
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.capacity_gb * GiB)
 
-    @property
-    def enabled(self) -> bool:
-        return self.capacity_bytes > 0
+@dataclass(frozen=True)
+class NvmeConfig(_Sized):
+    path: str | None = _f(None, _path, what="folder", expand=True)  # null: a private temporary folder, removed at close
+    capacity_gb: float = _f(100.0, _number)
+    ttl_s: float | None = _f(86400.0, _number, **_TTL)
+    ttl_shared_s: float | None = _f(None, _number, **_TTL)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
+    policy: str = _f("lru", _choice, choices=_policy_names)
+    codec: str = _f("none", _choice, choices=_codec_names)
+    zstd_level: int = _f(3, _int, minimum=1, maximum=19)  # for the +zstd codecs (1 fast .. 19 small)
+    o_direct: Any = _f("auto", _choice, choices=O_DIRECT_CHOICES)
+    write_mode: str = _f("write_back", _choice, choices=WRITE_MODES)
+    io_threads: int = _f(4, _int, minimum=1, maximum=64)
+    header: str = _f("auto", _choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
+    admit_after: int = _f(0, _int, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
 
 
 @dataclass(frozen=True)
 class RemoteConfig:
     """A tier shared by every engine, on Redis or Valkey (issue 14); off while ``url`` is null.
 
-    ``url``: ``redis://host:port[/db]`` or ``rediss://`` (TLS); with ``cluster: true`` one url or
+    ``url``: ``redis://host:port[/db]`` or ``rediss://`` (TLS; the server's certificate is checked
+    against the system's trust store, or ``SSL_CERT_FILE``); with ``cluster: true`` one url or
     a list of seed nodes. Credentials only from the environment (``KVSTORE_REDIS_USERNAME``,
     ``KVSTORE_REDIS_PASSWORD``), never here. ``ttl_s``: idle TTL (SET EX, refreshed by GETEX on a
     hit), so Redis's ``volatile-lru`` can evict under ``maxmemory``. ``write_mode``:
     write-through only (sharing needs a block there before DRAM evicts it). ``timeout_ms``: a
     slower answer is a miss."""
 
-    url: Any = None
-    cluster: bool = False
-    ttl_s: float | None = 86400.0
-    codec: str = "none"
-    zstd_level: int = 3
-    write_mode: str = "write_through"
-    timeout_ms: int = 200
-    io_threads: int = 4
+    url: Any = _f(None, _remote_url, needs=("cluster",))
+    cluster: bool = _f(False, _choice, choices=BOOL)
+    ttl_s: float | None = _f(86400.0, _number, **_TTL)
+    codec: str = _f("none", _choice, choices=_codec_names)
+    zstd_level: int = _f(3, _int, minimum=1, maximum=19)
+    write_mode: str = _f("write_through", _choice, choices=REMOTE_WRITE_MODES)
+    timeout_ms: int = _f(200, _int, minimum=1, maximum=60_000)
+    io_threads: int = _f(4, _int, minimum=1, maximum=64)
 
     @property
     def enabled(self) -> bool:
         return self.url is not None
 
+    @staticmethod
+    def _refuse(prefix: str, d: Any) -> None:
+        """No credentials in a config file, under any key name."""
+        for k in d if isinstance(d, Mapping) else ():
+            if isinstance(k, str) and any(w in k.lower() for w in ("pass", "user", "auth", "token", "secret")):
+                raise ConfigError(f"{prefix}.{k}", "<not shown>", "no credentials in the config: set "
+                                  "KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD in the environment")
+
 
 @dataclass(frozen=True)
 class TiersConfig:
-    dram: DramConfig = field(default_factory=DramConfig)
-    nvme: NvmeConfig = field(default_factory=NvmeConfig)
-    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    dram: DramConfig = _sec(DramConfig)
+    nvme: NvmeConfig = _sec(NvmeConfig)
+    remote: RemoteConfig = _sec(RemoteConfig)
 
 
 @dataclass(frozen=True)
@@ -184,22 +230,22 @@ class IoConfig:
     (``WAITING_FOR_REMOTE_KVS``) and other requests run; ``false`` loads everything inline
     before the forward pass (the first design, kept to measure against)."""
 
-    async_saves: bool = True
-    async_loads: bool = True
+    async_saves: bool = _f(True, _choice, choices=BOOL)
+    async_loads: bool = _f(True, _choice, choices=BOOL)
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    port: int | None = None
+    port: int | None = _f(None, _int, minimum=1, maximum=65535, allow_none=True)
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    tiers: TiersConfig = field(default_factory=TiersConfig)
-    io: IoConfig = field(default_factory=IoConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    trace_path: str | None = None
-    trace_tokens: bool = False  # the trace keeps each prompt's token ids (opt-in: prompts can be private)
+    tiers: TiersConfig = _sec(TiersConfig)
+    io: IoConfig = _sec(IoConfig)
+    metrics: MetricsConfig = _sec(MetricsConfig)
+    trace_path: str | None = _f(None, _path, what="file")
+    trace_tokens: bool = _f(False, _choice, choices=BOOL)  # the trace keeps each prompt's token ids (opt-in)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,110 +267,25 @@ def _check_keys(prefix: str, data: Mapping, cls) -> None:
             raise ConfigError(key, data[k], f"known keys here are {', '.join(names)} (unknown key)")
 
 
-def _dram(d: Mapping) -> DramConfig:
-    p = "tiers.dram"
-    _check_keys(p, d, DramConfig)
-    base = DramConfig()
-    return DramConfig(
-        capacity_gb=_number(f"{p}.capacity_gb", d.get("capacity_gb", base.capacity_gb)),
-        ttl_s=_number(f"{p}.ttl_s", d.get("ttl_s", base.ttl_s), allow_none=True),
-        ttl_shared_s=_number(f"{p}.ttl_shared_s", d.get("ttl_shared_s", base.ttl_shared_s), allow_none=True),
-        policy=_choice(f"{p}.policy", d.get("policy", base.policy), _policy_names()),
-        codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
-        pin_memory=_choice(f"{p}.pin_memory", d.get("pin_memory", base.pin_memory), PIN_CHOICES),
-        headroom_blocks=_auto_or_int(f"{p}.headroom_blocks", d.get("headroom_blocks", base.headroom_blocks)),
-    )
-
-
-def _nvme(d: Mapping) -> NvmeConfig:
-    p = "tiers.nvme"
-    _check_keys(p, d, NvmeConfig)
-    base = NvmeConfig()
-    path = d.get("path", base.path)
-    if path is not None and (not isinstance(path, str) or not path.strip()):
-        raise ConfigError(f"{p}.path", path, "a folder path (string) or null")
-    return NvmeConfig(
-        path=os.path.expanduser(path) if path else None,
-        capacity_gb=_number(f"{p}.capacity_gb", d.get("capacity_gb", base.capacity_gb)),
-        ttl_s=_number(f"{p}.ttl_s", d.get("ttl_s", base.ttl_s), allow_none=True),
-        ttl_shared_s=_number(f"{p}.ttl_shared_s", d.get("ttl_shared_s", base.ttl_shared_s), allow_none=True),
-        policy=_choice(f"{p}.policy", d.get("policy", base.policy), _policy_names()),
-        codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
-        zstd_level=_int(f"{p}.zstd_level", d.get("zstd_level", base.zstd_level), minimum=1, maximum=19),
-        o_direct=_choice(f"{p}.o_direct", d.get("o_direct", base.o_direct), O_DIRECT_CHOICES),
-        write_mode=_choice(f"{p}.write_mode", d.get("write_mode", base.write_mode), WRITE_MODES),
-        io_threads=_int(f"{p}.io_threads", d.get("io_threads", base.io_threads), minimum=1, maximum=64),
-        header=_choice(f"{p}.header", d.get("header", base.header), HEADER_CHOICES),
-        admit_after=_int(f"{p}.admit_after", d.get("admit_after", base.admit_after), minimum=0),
-    )
-
-
-def _remote_url(key: str, v: Any, cluster: bool):
-    urls = v if isinstance(v, list) else [v]
-    if v is None:
-        return None
-    if not urls or (isinstance(v, list) and not cluster and len(urls) != 1):
-        raise ConfigError(key, v, "one redis:// or rediss:// url (a list of seed nodes only with cluster: true)")
-    for u in urls:
-        if isinstance(u, str) and "@" in u:
-            raise ConfigError(key, "<a url with credentials>", "a url without credentials: they come from the "
-                              "environment only (KVSTORE_REDIS_USERNAME, KVSTORE_REDIS_PASSWORD)")
-        if not isinstance(u, str) or not u.startswith(("redis://", "rediss://")) or len(u) <= len("rediss://"):
-            raise ConfigError(key, u,
-                              "redis://host:port[/db] or rediss://host:port[/db] (a list with cluster: true), or null")
-    return list(urls) if isinstance(v, list) else v
-
-
-def _remote(d: Mapping) -> RemoteConfig:
-    p = "tiers.remote"
-    if isinstance(d, Mapping):
-        for k in d:
-            if isinstance(k, str) and any(w in k.lower() for w in ("pass", "user", "auth", "token", "secret")):
-                raise ConfigError(f"{p}.{k}", "<not shown>", "no credentials in the config: set "
-                                  "KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD in the environment")
-    _check_keys(p, d, RemoteConfig)
-    base = RemoteConfig()
-    cluster = _choice(f"{p}.cluster", d.get("cluster", base.cluster), (True, False))
-    return RemoteConfig(
-        url=_remote_url(f"{p}.url", d.get("url", base.url), cluster),
-        cluster=cluster,
-        ttl_s=_number(f"{p}.ttl_s", d.get("ttl_s", base.ttl_s), allow_none=True),
-        codec=_choice(f"{p}.codec", d.get("codec", base.codec), CODECS),
-        zstd_level=_int(f"{p}.zstd_level", d.get("zstd_level", base.zstd_level), minimum=1, maximum=19),
-        write_mode=_choice(f"{p}.write_mode", d.get("write_mode", base.write_mode), REMOTE_WRITE_MODES),
-        timeout_ms=_int(f"{p}.timeout_ms", d.get("timeout_ms", base.timeout_ms), minimum=1, maximum=60_000),
-        io_threads=_int(f"{p}.io_threads", d.get("io_threads", base.io_threads), minimum=1, maximum=64),
-    )
-
-
-def _section(data: Mapping, name: str):
-    """A nested section; null means empty (anything else that is not a mapping is refused later)."""
-    v = data.get(name)
-    return {} if v is None else v
+def _build(cls, prefix: str, data: Any):
+    """A config object from plain data, every field checked by the validator its metadata names."""
+    data = {} if data is None else data
+    getattr(cls, "_refuse", lambda p, d: None)(prefix, data)
+    _check_keys(prefix, data, cls)
+    out: dict[str, Any] = {}
+    for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.metadata.get("needs"))):  # stable
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if "section" in f.metadata:
+            out[f.name] = _build(f.metadata["section"], key, data.get(f.name))
+            continue
+        opts = dict(f.metadata["options"], **{n: out[n] for n in f.metadata["needs"]})
+        out[f.name] = f.metadata["check"](key, data.get(f.name, f.default), **opts)
+    return cls(**out)
 
 
 def from_dict(data: Mapping | None) -> StoreConfig:
     """Build and validate a :class:`StoreConfig` from plain nested data (e.g. parsed YAML)."""
-    data = {} if data is None else data
-    _check_keys("", data, StoreConfig)
-    tiers = _section(data, "tiers")
-    _check_keys("tiers", tiers, TiersConfig)
-    metrics = _section(data, "metrics")
-    _check_keys("metrics", metrics, MetricsConfig)
-    io = _section(data, "io")
-    _check_keys("io", io, IoConfig)
-    trace = data.get("trace_path")
-    if trace is not None and (not isinstance(trace, str) or not trace.strip()):
-        raise ConfigError("trace_path", trace, "a file path (string) or null")
-    return StoreConfig(
-        tiers=TiersConfig(dram=_dram(_section(tiers, "dram")), nvme=_nvme(_section(tiers, "nvme")),
-                          remote=_remote(_section(tiers, "remote"))),
-        io=IoConfig(async_saves=_choice("io.async_saves", io.get("async_saves", True), (True, False)),
-                    async_loads=_choice("io.async_loads", io.get("async_loads", True), (True, False))),
-        metrics=MetricsConfig(port=_int("metrics.port", metrics.get("port"), minimum=1, maximum=65535, allow_none=True)),
-        trace_path=trace,
-        trace_tokens=_choice("trace_tokens", data.get("trace_tokens", False), (True, False)),
-    )
+    return _build(StoreConfig, "", data)
 
 
 def merge(base: Mapping, override: Mapping) -> dict:

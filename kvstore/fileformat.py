@@ -37,8 +37,6 @@ _FMT = struct.Struct("<8sIIIIQQd16s16s")
 _HCHK = struct.Struct("<Q")
 SUFFIX = ".kvb"
 
-CODEC_IDS = {"none": 0, "int8": 1, "fp8": 2, "zstd": 3, "int8+zstd": 4, "fp8+zstd": 5}
-
 
 class BadBlockFile(Exception):
     """A block file failed a check. ``reason`` is a short metric label."""

@@ -6,6 +6,7 @@ import os
 import time
 
 from kvstore import fileformat as ff
+from kvstore.codecs.registry import CODEC_NAMES
 
 AGE_BUCKETS = ((60, "<1m"), (600, "1m-10m"), (3600, "10m-1h"), (86400, "1h-1d"), (7 * 86400, "1d-7d"),
                (float("inf"), ">7d"))
@@ -47,7 +48,7 @@ def inspect_folder(path: str, now: float | None = None) -> dict:
                 info["payload_bytes"] += h.payload_len
                 fp = h.fingerprint.hex()
                 info["fingerprints"][fp] = info["fingerprints"].get(fp, 0) + 1
-                codec = {v: k for k, v in ff.CODEC_IDS.items()}.get(h.codec_id, str(h.codec_id))
+                codec = CODEC_NAMES.get(h.codec_id, str(h.codec_id))
                 info["codecs"][codec] = info["codecs"].get(codec, 0) + 1
                 age = max(0.0, now - st.st_mtime)
                 for limit, label in AGE_BUCKETS:

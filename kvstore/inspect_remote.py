@@ -33,12 +33,12 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 from redis.retry import Retry
 
 from kvstore import fileformat as ff
+from kvstore.codecs.registry import CODEC_NAMES
 from kvstore.inspect import AGE_BUCKETS
 
 ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
 _NAME = re.compile(rb"kvs:\{([0-9a-f]{32})\.([0-9a-f]{2})\}:([0-9a-f]{32})")
 _BATCH = 512  # names per pipeline
-_CODEC_NAMES = {v: k for k, v in ff.CODEC_IDS.items()}
 FOOTNOTE = ("namespaces are digests (model fingerprint + the remote tier's codec) and cannot be mapped back to "
             "a model here; a running store's kvstore_store_info metric names its model and namespace (the same "
             "digest when tiers.remote.codec equals tiers.nvme.codec)")
@@ -88,7 +88,7 @@ def _check(value, length: int, ns: bytes, key: bytes) -> tuple[str | None, ff.He
         return e.reason, None
     if h.fingerprint != ns or h.key != key:
         return "foreign", None
-    if h.codec_id not in _CODEC_NAMES:
+    if h.codec_id not in CODEC_NAMES:
         return "codec", None
     if h.payload_len != length - ff.HEADER_CORE:
         return "length", None
@@ -219,7 +219,7 @@ def inspect_remote(url: str | list[str], *, cluster: bool = False, limit: int | 
                     info["blocks"] += 1
                     info["bytes"] += size
                     info["payload_bytes"] += h.payload_len
-                    codec = _CODEC_NAMES[h.codec_id]
+                    codec = CODEC_NAMES[h.codec_id]
                     info["codecs"][codec] = info["codecs"].get(codec, 0) + 1
                     age = max(0.0, now - h.created)
                     for lim, label in AGE_BUCKETS:

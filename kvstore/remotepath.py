@@ -23,7 +23,7 @@ import xxhash
 
 from kvstore import placement
 from kvstore.codecs import make_codec
-from kvstore.fileformat import CODEC_IDS
+from kvstore.codecs.registry import CODEC_IDS
 from kvstore.index import Entry
 from kvstore.tiers.presence import Presence
 

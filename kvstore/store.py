@@ -35,7 +35,7 @@ from kvstore import placement
 from kvstore.codecs import DTYPES, Geometry, make_codec, normalize_dtype
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.demote import Demoter
-from kvstore.fileformat import CODEC_IDS
+from kvstore.codecs.registry import CODEC_IDS
 from kvstore.handles import LoadHandle, PrefixMatch, StoreHandle, _check_keys, _rows  # noqa: F401 (re-exported)
 from kvstore.index import Entry
 from kvstore.keys import ModelFingerprint, root_of

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore import dtypes
-from kvstore.fileformat import CODEC_IDS
+from kvstore.codecs.registry import CODEC_IDS, CODECS
 
 
 class CodecError(ValueError):
@@ -105,19 +105,12 @@ class Codec:
 
 
 def make_codec(name: str, geometry: Geometry, zstd_level: int = 3) -> Codec:
-    """A codec by config name: none | int8 | fp8 | zstd | int8+zstd | fp8+zstd."""
+    """A codec by config name (:data:`kvstore.codecs.registry.CODECS`)."""
     from kvstore.codecs.quant import QuantCodec
     from kvstore.codecs.zstd import ZstdCodec
 
-    if name not in CODEC_IDS:
-        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODEC_IDS)}")
-    parts = name.split("+")
-    base = parts[0]
-    inner: Codec
-    if base in ("none", "zstd"):
-        inner = Codec(geometry)
-    else:
-        inner = QuantCodec(geometry.checked(), base)
-    if "zstd" in parts:
-        return ZstdCodec(inner, zstd_level)
-    return inner
+    spec = CODECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODECS)}")
+    inner = Codec(geometry) if spec.quant is None else QuantCodec(geometry.checked(), spec.quant)
+    return ZstdCodec(inner, zstd_level) if spec.zstd else inner
