@@ -21,7 +21,8 @@ Places (the context each passes) and the actions that make sense there:
   under the engine.
 * ``store.read`` (store, keys): ``unlink``: the files vanish (another process deleted them);
   ``rewrite``: each file is replaced by another key's valid file (another process rewrote it).
-* ``nvme.read`` (path): ``eio``: the read fails with EIO (an unreadable file).
+* ``nvme.read`` (path): ``eio``: the read fails with EIO (an unreadable file); ``slow``: it
+  takes :data:`SLOW_S` longer (a throttled, or slower than advertised, disk).
 * ``mover.scatter``: ``raise``: the copy into the engine's blocks fails; ``hold``: it waits until
   :func:`open_gate` (or :func:`clear`; at most 60 s): a load still in flight.
 * ``mover.gather``: ``raise``: an (async) gather fails, nothing is stored; ``hold``: a save still
@@ -42,6 +43,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +172,13 @@ def _hold(**ctx) -> None:
         log.warning("kvstore failpoint hold: gate not opened in %.0f s; going on", HOLD_MAX_S)
 
 
+SLOW_S = 0.02  # what the ``slow`` action adds to a call (a test may set it)
+
+
+def _slow(**ctx) -> None:
+    time.sleep(SLOW_S)
+
+
 def _drop_blocks(store, keys, **ctx) -> None:
     for t in store.tiers:
         t.remove(keys)
@@ -221,8 +230,8 @@ def _close(sock=None, **ctx) -> None:
     raise ConnectionError("failpoint: store socket closed")
 
 
-ACTIONS = {"raise": _raise, "eio": _eio, "enospc": _enospc, "hold": _hold, "drop_blocks": _drop_blocks, "close_store": _close_store,
-           "unlink": _unlink, "rewrite": _rewrite, "close": _close}
+ACTIONS = {"raise": _raise, "eio": _eio, "enospc": _enospc, "hold": _hold, "slow": _slow, "drop_blocks": _drop_blocks,
+           "close_store": _close_store, "unlink": _unlink, "rewrite": _rewrite, "close": _close}
 
 
 _s = _State()

@@ -139,7 +139,9 @@ class LoadPath:
             self._cut(h, nv_idx[bad])
         self.metrics.bytes_out.labels("nvme").inc(sum(1 for t in h.tier_of if t == "nvme") * self.block_bytes)
         self.metrics.bytes_out.labels("dram").inc(sum(1 for t in h.tier_of if t == "dram") * self.block_bytes)
-        self.metrics.get_latency.labels("nvme").observe(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.metrics.get_latency.labels("nvme").observe(dt)
+        self.rates.observe_read("nvme", len(nv_idx) * self.block_bytes, dt)  # failed reads cost time too
 
     def _cut(self, h: LoadHandle, cut: int) -> None:
         """End a load's prefix at block ``cut`` (a read failed there): unpin what lies beyond."""
@@ -199,7 +201,6 @@ class LoadPath:
             self._remember_gone([_as_corrupt(e) for e in bad])
             self._sync_corrupt_metrics()
         return out
-
 
     def prefetch(self, keys: Sequence[bytes]) -> Future:
         """Start promoting the leading NVMe blocks of ``keys`` into DRAM; resolves to the count."""

@@ -19,6 +19,8 @@ of index calls).
 * **admission to NVMe** (``tiers.nvme.admit_after`` = N; 0 = off): :class:`Admission`.
 * **miss reasons**: :func:`miss_reason`, and what a block that left is remembered as:
   :func:`gone_reason`.
+* **load or recompute**: a found prefix is cut where loading it is slower than the engine
+  recomputing it (``slower_than_recompute``): :func:`worth_loading`.
 
 Admission (``tiers.nvme.admit_after``), to spare the SSD the writes of blocks nobody reuses
 (the idea of Dynamo's frequency filter and vLLM's ``store_threshold``). A block's *asks* are the
@@ -47,11 +49,12 @@ the live store learns a session only at a load, and there the connector names th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Sequence, TypeVar
+from typing import Hashable, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
 
-MISS_REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "corrupt", "not_admitted")
+MISS_REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "corrupt", "not_admitted",
+                "slower_than_recompute")
 
 # demote_action results
 DEMOTE = "demote"  # write it down, then free the slot
@@ -158,3 +161,26 @@ class Admission:
         w.move_to_end(key)
         while len(w) > self.capacity:
             w.popitem(last=False)
+
+
+def worth_loading(tiers: Sequence[str], load_s: Mapping[str, float], recompute_s: float | None,
+                  held: int = 0) -> int:
+    """How many of the found blocks (their tiers, in prefix order) to load: the prefix that
+    saves the most time, a block saving ``recompute_s`` (the engine's time to compute it)
+    minus ``load_s[tier]`` (a tier not measured costs nothing: DRAM, or no sample yet). The
+    first ``held`` blocks the engine holds itself: never read, so free. Among prefixes that
+    save the same, the longest. Without a recompute estimate: all of them.
+
+    The costs are per block and additive: reads of one request run in parallel on the I/O
+    pool, which the per-tier throughput (measured on such batches) already reflects; the
+    recompute estimate is the engine's recent prefill tokens/s, so a long prompt's quadratic
+    attention makes recomputing dearer than estimated: the cut errs toward loading."""
+    if not recompute_s or not any(t in load_s for t in tiers[held:]):
+        return len(tiers)
+    best_k, best, saved = len(tiers[:held]), 0.0, 0.0
+    for i in range(held, len(tiers)):
+        saved += recompute_s - load_s.get(tiers[i], 0.0)
+        if saved >= best:
+            best_k, best = i + 1, saved
+    return best_k
+

@@ -120,7 +120,9 @@ class RemotePath:
         promoted = sum(1 for _, de, _ in out if de is not None)
         self.metrics.promotions.inc(promoted)
         self.metrics.bytes_in.labels("dram").inc(promoted * self.block_bytes)
-        self.metrics.get_latency.labels("remote").observe(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.metrics.get_latency.labels("remote").observe(dt)
+        self.rates.observe_read("remote", len(keys) * self.block_bytes, dt)
         self._sync_remote_metrics()
         return out
 

@@ -36,6 +36,7 @@ from kvstore.codecs import DTYPES, Geometry, make_codec, normalize_dtype
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.demote import Demoter
 from kvstore.codecs.registry import CODEC_IDS
+from kvstore.rates import Rates
 from kvstore.handles import LoadHandle, PrefixMatch, StoreHandle, _check_keys, _rows  # noqa: F401 (re-exported)
 from kvstore.index import Entry
 from kvstore.keys import ModelFingerprint, root_of
@@ -84,6 +85,7 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
         if ncfg.enabled and ncfg.codec != "none":
             self.nvme_codec = make_codec(ncfg.codec, self.geometry, ncfg.zstd_level)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
+        self.rates = Rates()  # tier reads (measured here) and the engine's prefill (observe_prefill)
         self.metrics.info.labels(fingerprint.model if isinstance(fingerprint, ModelFingerprint) else "",
                                  self.root.hex(), self.namespace.hex()).set(1)
         self._tmpdir: str | None = None
@@ -154,8 +156,11 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
         return f",dtype={dtype},group={int(group_elems)}".encode()
 
     # -- lookups -------------------------------------------------------------------------------
-    def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None) -> PrefixMatch:
-        """How many leading ``keys`` are stored, and in which tier each one is."""
+    def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None,
+                        held: int = 0) -> PrefixMatch:
+        """How many leading ``keys`` are worth loading, and in which tier each one is: the stored
+        prefix, cut where loading is slower than recomputing (``held``: leading blocks the
+        engine holds itself, never read)."""
         self._check_open()
         keys = _check_keys(keys)
         tiers: list[str] = []
@@ -165,11 +170,12 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
                 break
             tiers.append(t)
         tiers += ["remote"] * self._remote_extend(keys, len(tiers))  # the shared tier, asked last
-        n = len(tiers)
-        reason = None
+        n = placement.worth_loading(tiers, *self.rates.seconds_per_block(self.block_bytes, self.block_tokens), held)
+        reason = "slower_than_recompute" if n < len(tiers) else None
+        del tiers[n:]
         if not keys:
             reason = "below_min"
-        elif n < len(keys):
+        elif n < len(keys) and reason is None:
             reason = self._miss_reason(keys[n], n)
         if record:
             self._record_lookup(len(keys), tiers, reason, num_tokens)
@@ -189,7 +195,6 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
             why = self._ghosts.get(key)
         return placement.miss_reason(expired=expired, remembered=why, at=at)
 
-
     def _remember_gone(self, entries: list[Entry], reason: str | None = None) -> None:
         with self._ghost_lock:
             for e in entries:
@@ -202,7 +207,6 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
         with self._ghost_lock:
             for k in keys:
                 self._ghosts.pop(k, None)
-
 
     # -- maintenance ---------------------------------------------------------------------------
     def sweep(self) -> int:
@@ -220,7 +224,6 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
                 t.free(ev)
         self._update_gauges()
         return n
-
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the DRAM pool (prepared in the background after its first chunk) to be

@@ -1,0 +1,61 @@
+"""Moving estimates of how fast things go, for the lookup's "load or recompute?" decision
+(:func:`kvstore.placement.worth_loading`): each tier's read throughput, measured on the store's
+own reads, and the engine's prefill throughput, measured by the connector around the forward
+pass. Pure: the caller passes the amounts and the seconds it measured.
+
+An estimate is time-weighted: the moving sums of amount and of seconds are kept apart and
+divided, so one tiny read (a few blocks, dominated by a fixed cost) weighs what it took, not
+as much as a large one. ``alpha`` is the weight of the newest sample (0.2: the last ~10 reads
+matter). Nothing is known before the first sample: ``value`` is None, and the lookup then
+loads everything it finds, as it did before these estimates existed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class Rate:
+    def __init__(self, alpha: float = 0.2):
+        assert 0 < alpha <= 1
+        self.alpha = alpha
+        self._amount = self._seconds = 0.0
+        self.samples = 0
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        a = self.alpha if self.samples else 1.0
+        self._amount += a * (amount - self._amount)
+        self._seconds += a * (seconds - self._seconds)
+        self.samples += 1
+
+    @property
+    def value(self) -> float | None:
+        """Units per second, or None before any sample."""
+        return self._amount / self._seconds if self.samples else None
+
+
+class Rates:
+    """Per-tier read throughput (bytes/s) and the engine's prefill throughput (tokens/s)."""
+
+    def __init__(self, alpha: float = 0.2):
+        self._lock = threading.Lock()
+        self._alpha = alpha
+        self.read: dict[str, Rate] = {}
+        self.prefill = Rate(alpha)
+
+    def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.read.setdefault(tier, Rate(self._alpha)).observe(nbytes, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.prefill.observe(tokens, seconds)
+
+    def seconds_per_block(self, block_bytes: int, block_tokens: int) -> tuple[dict[str, float], float | None]:
+        """(load seconds per block by tier, for the tiers measured; recompute seconds per block)."""
+        with self._lock:
+            load = {t: block_bytes / r.value for t, r in self.read.items() if r.value}
+            pf = self.prefill.value
+        return load, (block_tokens / pf if pf else None)

@@ -1,0 +1,97 @@
+"""Never slower than recompute (issue 17 item 1): the lookup keeps only the prefix that is faster
+to load than to recompute, from moving estimates of each tier's measured read throughput and of
+the engine's prefill throughput; the rest is a miss with reason ``slower_than_recompute``.
+The decision's scenarios, the time-weighted estimate, and a real NVMe tier throttled on purpose
+(the ``nvme.read=slow`` failpoint: each file read takes 20 ms longer) inside a real store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore import failpoints, placement
+from kvstore.rates import Rate
+from kvstore.store import KVStore
+
+from conftest import BLOCK, FP, blocks_for, make_keys, tiny_config
+
+
+@pytest.mark.parametrize("tiers, load_s, recompute_s, held, want", [
+    (["nvme"] * 4, {}, 0.001, 0, 4),  # no tier measured yet: load all
+    (["nvme"] * 4, {"nvme": 0.01}, None, 0, 4),  # no prefill estimate: load all
+    (["nvme"] * 4, {"nvme": 0.0005}, 0.001, 0, 4),  # loading is twice as fast
+    (["nvme"] * 4, {"nvme": 0.002}, 0.001, 0, 0),  # twice as slow: recompute all
+    (["dram", "dram", "nvme", "nvme"], {"nvme": 0.002}, 0.001, 0, 2),  # DRAM (free) kept, slow tail cut
+    (["nvme", "nvme", "dram", "dram", "dram"], {"nvme": 0.002}, 0.001, 0, 5),  # 2 ms lost, 3 ms won: load all
+    (["nvme", "nvme", "dram"], {"nvme": 0.002}, 0.001, 0, 0),  # 2 lost, 1 won: recompute
+    (["nvme"] * 3 + ["remote"] * 3, {"nvme": 0.0005, "remote": 0.003}, 0.001, 0, 3),  # cut at the slow tier
+    (["nvme"] * 4, {"nvme": 0.002}, 0.001, 4, 4),  # the engine holds them all: nothing read
+    (["nvme"] * 6, {"nvme": 0.002}, 0.001, 2, 2),  # held ones stay, the rest is slower
+    (["nvme"] * 3, {"nvme": 0.001}, 0.001, 0, 3),  # as fast either way: the longest (a hit)
+])
+def test_worth_loading_scenarios(tiers, load_s, recompute_s, held, want):
+    assert placement.worth_loading(tiers, load_s, recompute_s, held) == want
+
+
+def test_rate_is_time_weighted_and_moves():
+    r = Rate(alpha=0.5)
+    assert r.value is None
+    r.observe(1000, 1.0)
+    assert r.value == pytest.approx(1000)
+    r.observe(10, 1.0)  # a small slow read
+    r.observe(0, 1.0)  # no amount: ignored
+    assert r.value == pytest.approx(505 / 1.0)
+    for _ in range(20):
+        r.observe(100_000, 1.0)
+    assert r.value == pytest.approx(100_000, rel=1e-3)
+
+
+def _nvme_only(tmp_path) -> KVStore:
+    cfg = tiny_config(tmp_path / "nvme", dram_blocks=0, nvme_blocks=64, io_threads=2)
+    return KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=FP.block_size)
+
+
+def test_a_throttled_tier_is_recomputed_then_loaded_again_once_fast(tmp_path):
+    s = _nvme_only(tmp_path)
+    try:
+        keys = make_keys(8, seed=71)
+        assert s.put(keys, blocks_for(keys)) == 8
+        out = np.zeros((8, BLOCK), np.uint8)
+        # the engine prefills 16-token blocks at 1 ms each (16k tokens/s)
+        s.rates.observe_prefill(16_000, 1.0)
+        for _ in range(3):
+            assert s.get(keys, out) == 8  # unthrottled: ~0.1 ms a block here
+        assert s.contains_prefix(keys).num_blocks == 8
+        failpoints.SLOW_S = 0.02
+        failpoints.arm("nvme.read=slow")
+        for _ in range(12):  # the estimate follows the throttled disk
+            assert s.get(keys, out) == 8 and np.array_equal(out, blocks_for(keys))
+        load_s, recompute_s = s.rates.seconds_per_block(BLOCK, FP.block_size)
+        assert load_s["nvme"] > 3 * recompute_s  # 20 ms a read, 2 readers: ~10 ms a block vs 1 ms
+        m = s.contains_prefix(keys)
+        assert m.num_blocks == 0 and m.miss_reason == "slower_than_recompute"
+        assert s.metrics.value("kvstore_lookup_miss_blocks_total", reason="slower_than_recompute") == 8
+        assert s.contains_prefix(keys, held=3).num_blocks == 3  # what the engine holds costs no read
+        # the disk fast again: loaded again once the estimate follows
+        failpoints.clear()
+        for _ in range(30):
+            assert s.get(keys, out) == 8
+        assert s.contains_prefix(keys).num_blocks == 8
+    finally:
+        failpoints.clear()
+        s.close()
+
+
+def test_without_estimates_nothing_changes(tmp_path):
+    s = _nvme_only(tmp_path)
+    try:
+        keys = make_keys(5, seed=72)
+        s.put(keys, blocks_for(keys))
+        failpoints.SLOW_S = 0.02
+        failpoints.arm("nvme.read=slow")
+        out = np.zeros((5, BLOCK), np.uint8)
+        assert s.get(keys, out) == 5  # slow, measured, but no prefill estimate: still loaded
+        assert s.contains_prefix(keys).num_blocks == 5
+    finally:
+        failpoints.clear()
+        s.close()
