@@ -95,7 +95,12 @@ class Demoter:
                 away.append(e)
         jobs = []
         if todo:
-            for ne, e in zip(s._reserve_nvme([e.key for e in todo], background=True), todo):
+            by_hint: dict = {}  # a retention hint goes down with its block
+            for e in todo:
+                by_hint.setdefault(e.hint, []).append(e)
+            pairs = [p for hint, es in by_hint.items()
+                     for p in zip(s._reserve_nvme([e.key for e in es], background=True, ttl=hint), es)]
+            for ne, e in pairs:
                 if ne is None:  # no room on NVMe (everything there pinned): the block is lost
                     free.append(e)
                     gone.append((e, None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
@@ -31,6 +32,7 @@ class StoreHandle:
     done: bool = False
     background: list = field(default_factory=list)  # write-through futures (see flush)
     remote_only: bool = False  # a store without local tiers: views are written to Redis at end_store
+    ttl: float | None = None  # the request's retention hint (idle TTL in every tier), None = the config's
 
 
 @dataclass
@@ -82,3 +84,12 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
         if not isinstance(k, (bytes, bytearray)) or len(k) != 16:
             raise ValueError(f"keys must be 16-byte digests (kvstore.keys.chain_keys), got {k!r:.40}")
     return [bytes(k) for k in keys]
+
+
+def _check_ttl(ttl_s) -> float | None:
+    """A retention hint: a positive finite number of seconds, or None (the config's TTL)."""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
+        raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+    return float(ttl_s)

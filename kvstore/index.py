@@ -39,6 +39,7 @@ class Entry:
     first_session: Hashable = None  # the first session that hit it (for ``ttl_shared_s``)
     shared: bool = False  # hit by >= 2 distinct sessions (then ``ttl`` is the tier's shared TTL)
     asks: int = 0  # requests that used it: its commit and each hit (placement.Admission)
+    hint: float | None = None  # a request's retention hint (its idle TTL, kv_transfer_params), kept by lower tiers
     heap_at: float = math.inf  # deadline of this entry's live TTL-heap item (inf: none)
 
 
@@ -130,9 +131,16 @@ class TierIndex:
                 e.first_session = session
             elif session != e.first_session:
                 e.shared = True
-                e.ttl = self.ttl_shared
+                e.ttl = self.ttl_shared if e.hint is None else max(self.ttl_shared, e.hint)
         self._set_expiry(e, now)
         self.policy.touch(e.key, session)
+
+    def extend(self, e: Entry, ttl: float) -> None:
+        """A retention hint on a hit: the entry's idle TTL becomes at least ``ttl`` (never
+        shorter: other sessions may count on it); it applies from the next touch."""
+        cur = self._ttl(e)
+        if cur is not None and ttl > cur:
+            e.ttl = e.hint = ttl
 
     def expire(self, now: float, limit: int | None = None) -> list[Entry]:
         """Remove up to ``limit`` expired, unpinned entries (the oldest deadlines first)."""
@@ -190,7 +198,8 @@ class TierIndex:
             for v in victims:
                 self._drop(v, CAPACITY)
             evicted.extend(victims)
-        e = Entry(key=key, nbytes=nbytes, last_access=now, expire_at=math.inf, state=WRITING, pins=1, ttl=ttl)
+        e = Entry(key=key, nbytes=nbytes, last_access=now, expire_at=math.inf, state=WRITING, pins=1, ttl=ttl,
+                  hint=ttl)
         self.entries[key] = e
         self.used += nbytes
         return e, evicted

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore import failpoints, placement
-from kvstore.handles import LoadHandle, _check_keys, _rows
+from kvstore.handles import LoadHandle, _check_keys, _check_ttl, _rows
 from kvstore.index import Entry
 
 
@@ -47,12 +47,13 @@ class LoadPath:
             raise
         return h
 
-    def pin_load(self, keys: Sequence[bytes], *, session: str | None = None) -> LoadHandle:
+    def pin_load(self, keys: Sequence[bytes], *, session: str | None = None, ttl_s: float | None = None) -> LoadHandle:
         """Phase 1 of a load, without I/O (the scheduler side): pin the leading stored blocks in
         whichever tier holds them. DRAM blocks get their views now; NVMe blocks are read later
-        by :meth:`read_load` (the worker side), where a failed read is the worker's to report."""
+        by :meth:`read_load` (the worker side), where a failed read is the worker's to report.
+        ``ttl_s``: the request's retention hint; the blocks it hits keep at least that idle TTL."""
         self._check_open()
-        return self._pin(_check_keys(keys), session)
+        return self._pin(_check_keys(keys), session, ttl=_check_ttl(ttl_s))
 
     def read_load(self, h: LoadHandle, outs: list[np.ndarray] | None = None) -> int:
         """Read a pinned load's NVMe blocks (into fresh DRAM slots when there is room, else into
@@ -63,7 +64,7 @@ class LoadPath:
         self._read_pinned(h, outs)
         return h.num_blocks
 
-    def _pin(self, keys: list[bytes], session: str | None, failpoint: bool = True) -> LoadHandle:
+    def _pin(self, keys: list[bytes], session: str | None, failpoint: bool = True, ttl: float | None = None) -> LoadHandle:
         if failpoint:
             failpoints.fire("store.pin", store=self, keys=keys)
             self._check_open()  # the failpoint may have closed it
@@ -84,10 +85,10 @@ class LoadPath:
         n = next((i for i in range(n_keys) if dentries[i] is None and nentries[i] is None), n_keys)
         if dram is not None:
             self._release_dram(dentries[n:])
-            dram.touch(dentries[:n], session)
+            dram.touch(dentries[:n], session, ttl)
         if nv is not None:
             nv.release(nentries[n:])
-            nv.touch(nentries[:n], session)
+            nv.touch(nentries[:n], session, ttl)
         m = self._remote_extend(keys, n)  # the shared tier, past the local prefix (not pinned)
         h = LoadHandle(keys, n + m, [None] * (n + m), list(dentries[:n]) + [None] * m,
                        ["dram" if dentries[i] is not None else "nvme" for i in range(n)] + ["remote"] * m)
@@ -189,8 +190,10 @@ class LoadPath:
         oks = [ok for ok, _ in res]
         nv.release(nentries, oks)
         out = []
-        for (ok, dst), de in zip(res, dres):
+        for (ok, dst), de, ne in zip(res, dres, nentries):
             if de is not None:
+                if ne.hint is not None:  # a retention hint follows the block up
+                    de.ttl = de.hint = ne.hint
                 dram.commit([de], [ok], keep_pinned=True)  # pinned for the caller until end_load
             out.append((dst[: self.block_bytes] if ok else None, de if ok else None, ok))
         n_ok = sum(1 for _, de, _ in out if de is not None)

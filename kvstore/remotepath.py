@@ -128,7 +128,7 @@ class RemotePath:
 
     # -- stores ----------------------------------------------------------------------------------
     def _remote_write_through(self, keys: list[bytes], entries: list[Entry | None] | None = None,
-                              views: list[np.ndarray] | None = None) -> None:
+                              views: list[np.ndarray] | None = None, ttl: float | None = None) -> None:
         """Copy freshly stored blocks to the remote tier on the I/O pool: from DRAM (``keys``
         pinned there meanwhile) or from an NVMe-only store's private buffers (``views``)."""
         if self.remote is None or not keys:
@@ -145,7 +145,7 @@ class RemotePath:
         def job() -> None:
             t0 = time.perf_counter()
             try:
-                self._count_remote_put(keys, self.remote.put(keys, views), t0)
+                self._count_remote_put(keys, self.remote.put(keys, views, ttl_s=ttl), t0)
             finally:
                 if pinned:
                     dram.release(pinned)
@@ -153,7 +153,7 @@ class RemotePath:
         if keys:
             self._submit(job)
 
-    def _put_remote_only(self, keys: list[bytes], rows: list[np.ndarray]) -> int:
+    def _put_remote_only(self, keys: list[bytes], rows: list[np.ndarray], ttl: float | None = None) -> int:
         """``put`` on a store whose only tier is the remote one: the caller's rows are sent as
         they are (blocks Redis holds already, and repeats, are skipped)."""
         seen, idx = set(), []
@@ -164,7 +164,7 @@ class RemotePath:
         if not idx:
             return 0
         t0 = time.perf_counter()
-        res = self.remote.put([keys[i] for i in idx], [rows[i] for i in idx])
+        res = self.remote.put([keys[i] for i in idx], [rows[i] for i in idx], ttl_s=ttl)
         return self._count_remote_put([keys[i] for i in idx], res, t0)
 
     def _count_remote_put(self, keys: list[bytes], res: list[bool], t0: float) -> int:
@@ -184,7 +184,7 @@ class RemotePath:
         if not idx:
             return 0
         t0 = time.perf_counter()
-        res = self.remote.put([h.keys[i] for i in idx], [h.views[i] for i in idx])
+        res = self.remote.put([h.keys[i] for i in idx], [h.views[i] for i in idx], ttl_s=h.ttl)
         return self._count_remote_put([h.keys[i] for i in idx], res, t0)
 
     # -- metrics ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from kvstore import failpoints, placement
-from kvstore.handles import StoreHandle, _check_keys, _rows
+from kvstore.handles import StoreHandle, _check_keys, _check_ttl, _rows
 from kvstore.index import Entry
 from kvstore.tiers import Reservation
 
@@ -35,12 +35,12 @@ class _Gone(NamedTuple):  # a block that left no entry behind, for KVStore._reme
 
 class StorePath:
     # -- reservations ----------------------------------------------------------------------------
-    def _reserve_dram(self, keys: Sequence[bytes], stored: bool = False) -> Reservation:
+    def _reserve_dram(self, keys: Sequence[bytes], stored: bool = False, ttl: float | None = None) -> Reservation:
         """DRAM entries for ``keys``: victims go to the demoter first (those that need no write
         free their slots at once), then free slots are attached; none free: skipped, counted.
         The entries' asks (admission): those remembered for a ``stored`` block; a copy from a
         lower tier (a promotion) was admitted already."""
-        res = self.dram.begin_reserve(keys)
+        res = self.dram.begin_reserve(keys, ttl)
         try:
             self._demoter.take(res.victims)
         except BaseException:
@@ -87,19 +87,19 @@ class StorePath:
             self._remember_gone([_Gone(k) for k, _ in blocks])
             self.metrics.skipped.labels("nvme", placement.NOT_ADMITTED).inc(len(blocks))
 
-    def _reserve_nvme_admitted(self, keys: list[bytes]) -> list[Entry | None]:
+    def _reserve_nvme_admitted(self, keys: list[bytes], ttl: float | None = None) -> list[Entry | None]:
         """:meth:`_reserve_nvme` for the keys :meth:`_admit_nvme` lets through (None elsewhere)."""
         ok = self._admit_nvme(keys)
         if all(ok):
-            return list(self._reserve_nvme(keys))
-        got = iter(self._reserve_nvme([k for k, o in zip(keys, ok) if o]))
+            return list(self._reserve_nvme(keys, ttl=ttl))
+        got = iter(self._reserve_nvme([k for k, o in zip(keys, ok) if o], ttl=ttl))
         return [next(got) if o else None for o in ok]
 
-    def _reserve_nvme(self, keys: Sequence[bytes], background: bool = False) -> Reservation:
-        """NVMe entries for ``keys``; its victims' files are removed here, or on the I/O pool
-        (``background``: a reservation made on the engine's thread, for a demotion)."""
+    def _reserve_nvme(self, keys: Sequence[bytes], background: bool = False, ttl: float | None = None) -> Reservation:
+        """NVMe entries for ``keys`` (``ttl``: a retention hint); its victims' files are removed
+        here, or on the I/O pool (``background``: a reservation made on the engine's thread)."""
         nv = self.nvme
-        res = nv.begin_reserve(keys)
+        res = nv.begin_reserve(keys, ttl)
         if res.victims:
             self._count_evictions(nv, res.victims)
             dram = self.dram
@@ -170,18 +170,19 @@ class StorePath:
         return ok
 
     # -- put -------------------------------------------------------------------------------------
-    def put(self, keys: Sequence[bytes], blocks) -> int:
+    def put(self, keys: Sequence[bytes], blocks, *, ttl_s: float | None = None) -> int:
         """Store blocks under keys. Returns how many were newly stored (present keys are skipped).
         Never waits for a demotion or a DRAM slot; blocks that found no free slot are written to
-        NVMe by this call."""
+        NVMe by this call. ``ttl_s``: a retention hint (see :meth:`begin_store`)."""
         self._check_open()
         keys = _check_keys(keys)
+        ttl_s = _check_ttl(ttl_s)
         rows = _rows(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
         if self.dram is None and self.nvme is None:  # remote only (or nothing): no staging copy
-            return self._put_remote_only(keys, rows) if self.remote is not None else 0
+            return self._put_remote_only(keys, rows, ttl_s) if self.remote is not None else 0
         if self.dram is None:
-            return self._put_nvme(keys, rows)
-        h = self.begin_store(keys)
+            return self._put_nvme(keys, rows, ttl_s)
+        h = self.begin_store(keys, ttl_s=ttl_s)
         try:
             for v, r in zip(h.views, rows):
                 if v is not None:
@@ -195,11 +196,11 @@ class StorePath:
             # written here (put's own blocks, with nowhere else to keep them; never a demotion)
             rest = [j for j, e in enumerate(h.entries) if e is None and not self.dram.holds(keys[j])]
             if rest:
-                n += self._put_nvme([keys[j] for j in rest], [rows[j] for j in rest])
+                n += self._put_nvme([keys[j] for j in rest], [rows[j] for j in rest], ttl_s)
         return n
 
-    def _put_nvme(self, keys: list[bytes], rows: list[np.ndarray]) -> int:
-        h = StoreHandle(keys, self._reserve_nvme_admitted(keys), [], self.nvme)
+    def _put_nvme(self, keys: list[bytes], rows: list[np.ndarray], ttl: float | None = None) -> int:
+        h = StoreHandle(keys, self._reserve_nvme_admitted(keys, ttl), [], self.nvme, ttl=ttl)
         h.views = [r if e is not None else None for e, r in zip(h.entries, rows)]
         return self.end_store(h, True)
 
@@ -207,26 +208,29 @@ class StorePath:
         if self._closed:
             raise RuntimeError("KVStore is closed")
 
-    def begin_store(self, keys: Sequence[bytes]) -> StoreHandle:
+    def begin_store(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> StoreHandle:
         """Reserve room for the keys not yet stored; returns writable views (None = skip: the key
-        is stored or being written, or no DRAM slot is free). Never waits on I/O."""
+        is stored or being written, or no DRAM slot is free). Never waits on I/O. ``ttl_s``: the
+        request's retention hint, the idle TTL of these blocks in every tier (None: the config's)."""
         self._check_open()
         keys = _check_keys(keys)
+        ttl_s = _check_ttl(ttl_s)
         if self.dram is not None:
             nv = self.nvme
             want = [k for k in keys if placement.admit(nv is not None and nv.holds(k))]
             # a repeated key is reserved once (its later copies get None): keep that entry,
             # never overwrite it with a later None (it would stay WRITING and pinned forever)
-            got = {k: e for k, e in zip(want, self._reserve_dram(want, stored=True)) if e is not None} if want else {}
+            got = {k: e for k, e in zip(want, self._reserve_dram(want, stored=True, ttl=ttl_s))
+                   if e is not None} if want else {}
             entries = [got.pop(k, None) for k in keys]
             views = [self.dram.view(e) if e is not None else None for e in entries]
-            return StoreHandle(keys, entries, views, self.dram)
+            return StoreHandle(keys, entries, views, self.dram, ttl=ttl_s)
         if self.nvme is not None:
             # NVMe-only store: stage in private buffers, written at end_store
-            entries = self._reserve_nvme_admitted(keys)
+            entries = self._reserve_nvme_admitted(keys, ttl_s)
             views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
-            return StoreHandle(keys, entries, views, self.nvme)
-        h = StoreHandle(keys, [None] * len(keys), [None] * len(keys), None)
+            return StoreHandle(keys, entries, views, self.nvme, ttl=ttl_s)
+        h = StoreHandle(keys, [None] * len(keys), [None] * len(keys), None, ttl=ttl_s)
         if self.remote is not None:
             # remote-only store: stage in private buffers, written at end_store (one pipeline);
             # blocks the remote tier already holds (one pipeline to ask) and repeats are skipped
@@ -271,20 +275,20 @@ class StorePath:
         if n and self.write_through and tier is self.dram and self.nvme is not None:
             adm = self._admission  # blocks short of their asks: written at eviction if they get them
             wt = [e.key for e, o in zip(h.entries, oks) if o and adm.admits(e.asks)] if adm.active else stored
-            h.background = self._write_through(wt) if wt else []
+            h.background = self._write_through(wt, h.ttl) if wt else []
         if n and self.remote is not None:  # shared as soon as stored (write-through)
             if tier is self.dram:
-                self._remote_write_through(stored)
+                self._remote_write_through(stored, ttl=h.ttl)
             else:
-                self._remote_write_through(stored, views=[v for v, o in zip(h.views, oks) if o])
+                self._remote_write_through(stored, views=[v for v, o in zip(h.views, oks) if o], ttl=h.ttl)
         self._update_gauges()
         return n
 
-    def _write_through(self, keys: list[bytes]) -> list[Future]:
+    def _write_through(self, keys: list[bytes], ttl: float | None = None) -> list[Future]:
         """Copy freshly stored DRAM blocks to NVMe in the background (DRAM slots pinned meanwhile)."""
         dram, nv = self.dram, self.nvme
         dentries = dram.acquire(keys, touch=False)
-        nentries = self._reserve_nvme(keys)
+        nentries = self._reserve_nvme(keys, ttl=ttl)
 
         def job(de: Entry | None, ne: Entry | None) -> bool:
             try:
@@ -311,3 +315,4 @@ class StorePath:
             if f is not None:
                 futures.append(f)
         return futures
+

@@ -173,14 +173,18 @@ class Tier(ABC):
                 self._touch_locked(out, now, session)
         return out
 
-    def touch(self, entries: Sequence[Entry | None], session: str | None = None) -> None:
-        """Count pinned entries as hits (refresh recency and TTL)."""
+    def touch(self, entries: Sequence[Entry | None], session: str | None = None, ttl: float | None = None) -> None:
+        """Count pinned entries as hits (refresh recency and TTL; ``ttl``: a retention hint,
+        the entries' idle TTL becomes at least that)."""
         with self.lock:
-            self._touch_locked(entries, self.clock(), session)
+            self._touch_locked(entries, self.clock(), session, ttl)
 
-    def _touch_locked(self, entries: Sequence[Entry | None], now: float, session: str | None) -> None:
+    def _touch_locked(self, entries: Sequence[Entry | None], now: float, session: str | None,
+                      ttl: float | None = None) -> None:
         for e in reversed(entries):  # head of the chain ends most recent (see commit)
             if e is not None and self.index.entries.get(e.key) is e:
+                if ttl is not None:
+                    self.index.extend(e, ttl)
                 self.index.touch(e, now, session)
 
     def holds(self, key: bytes) -> bool:

@@ -335,8 +335,10 @@ class RemoteTier:
             self.count("deleted_corrupt", sum(r for r in gone if isinstance(r, int)))
         return oks
 
-    def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray]) -> list[bool]:
-        """Store each block, overwriting: in one namespace a key names the same bytes in every engine."""
+    def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray], ttl_s: float | None = None) -> list[bool]:
+        """Store each block, overwriting: in one namespace a key names the same bytes in every
+        engine. ``ttl_s``: this call's idle TTL (a request's retention hint), else the tier's."""
+        px = self.ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))
         names = [self.redis_key(k) for k in keys]
         oks = [False] * len(keys)
         if not self.available:  # do not encode what will not be sent
@@ -350,7 +352,7 @@ class RemoteTier:
             if not todo:
                 return oks
             res = self._call("put", [names[i] for i in todo],
-                             lambda p, j: p.set(names[todo[j]], *values[todo[j]], px=self.ttl_ms), SetPipeline)
+                             lambda p, j: p.set(names[todo[j]], *values[todo[j]], px=px), SetPipeline)
             for j, r in enumerate(res or []):
                 if r is True:
                     oks[todo[j]] = True
