@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.policy import POLICIES, FIFOPolicy, LRUPolicy, Policy, SessionWeightedLRUPolicy, make_policy
+from kvstore.policy import POLICIES, FIFOPolicy, LRUPolicy, Policy, SharedLRUPolicy, make_policy
 
 
 def order(p: Policy) -> list:
@@ -15,7 +15,7 @@ def test_registry():
     assert {"lru", "fifo", "lru_shared"} <= set(POLICIES)
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("fifo"), FIFOPolicy)
-    assert isinstance(make_policy("lru_shared"), SessionWeightedLRUPolicy)
+    assert isinstance(make_policy("lru_shared"), SharedLRUPolicy)
     assert make_policy("lru") is not make_policy("lru")  # one instance per tier
     with pytest.raises(ValueError) as ei:
         make_policy("lfu")
@@ -63,7 +63,7 @@ def test_victims_is_lazy():
 
 
 def test_lru_shared_protects_blocks_hit_by_two_sessions():
-    p = SessionWeightedLRUPolicy()
+    p = SharedLRUPolicy()
     for k in "abcd":
         p.insert(k)
     p.touch("a", session="s1")
@@ -83,7 +83,7 @@ def test_lru_shared_protects_blocks_hit_by_two_sessions():
 
 
 def test_lru_shared_without_sessions_is_lru():
-    p, q = SessionWeightedLRUPolicy(), LRUPolicy()
+    p, q = SharedLRUPolicy(), LRUPolicy()
     ops = ["a", "b", "c", "d"]
     for k in ops:
         p.insert(k)
@@ -95,7 +95,7 @@ def test_lru_shared_without_sessions_is_lru():
 
 
 def test_lru_shared_session_set_is_bounded():
-    p = SessionWeightedLRUPolicy(shared_after=100, max_sessions_tracked=4)
+    p = SharedLRUPolicy(shared_after=100, max_sessions_tracked=4)
     p.insert("a")
     for i in range(50):
         p.touch("a", session=f"s{i}")

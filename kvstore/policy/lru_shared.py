@@ -13,7 +13,7 @@ from kvstore.policy.base import Policy, register_policy
 
 
 @register_policy("lru_shared")
-class SessionWeightedLRUPolicy(Policy):
+class SharedLRUPolicy(Policy):
     def __init__(self, shared_after: int = 2, max_sessions_tracked: int = 8) -> None:
         self.shared_after = shared_after
         self.max_tracked = max_sessions_tracked
