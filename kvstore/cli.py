@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: bench, inspect, stats, config."""
+"""The ``kvstore`` command: bench, tune, explain, inspect, stats, config."""
 
 from __future__ import annotations
 
@@ -64,6 +64,32 @@ def _stats(argv: list[str]) -> int:
     return 0
 
 
+def _explain(argv: list[str]) -> int:
+    from kvstore.explain import explain_file
+    from kvstore.explain_report import plot, render
+    from kvstore.trace import TraceError
+
+    p = argparse.ArgumentParser(prog="kvstore explain", description="Why turns missed the cache: each session's "
+                                "turns against the previous turn (head changed, history rewritten, expired or "
+                                "evicted, append-only), read from a trace (trace_path).")
+    p.add_argument("--trace", required=True, help="a JSONL trace (trace_path; trace_tokens: true gives tokens)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a plot: classes per session, "
+                   "where turns diverged")
+    p.add_argument("--examples", type=int, default=3, metavar="N", help="example turns per problem class")
+    p.add_argument("--sessions", type=int, default=20, metavar="N", help="sessions listed (most lost first)")
+    a = p.parse_args(argv)
+    try:
+        r = explain_file(a.trace, examples=a.examples, max_sessions=a.sessions)
+    except (OSError, TraceError) as e:
+        print(f"error: --trace {a.trace}: {e}", file=sys.stderr)
+        return 1
+    if a.plot:
+        plot(r, a.plot)
+    print(json.dumps(r, indent=2) if a.json else render(r))
+    return 0
+
+
 def _config(argv: list[str]) -> int:
     from kvstore.config import ConfigError, load_config
 
@@ -85,20 +111,22 @@ def _tune(argv: list[str]) -> int:
     return tune_main(argv)
 
 
-COMMANDS = {"bench": _bench, "inspect": _inspect, "stats": _stats, "config": _config, "tune": _tune}
+COMMANDS = {"bench": _bench, "inspect": _inspect, "stats": _stats, "config": _config, "tune": _tune,
+            "explain": _explain}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: kvstore {bench,tune,inspect,stats,config} ...\n\n"
+        print("usage: kvstore {bench,tune,explain,inspect,stats,config} ...\n\n"
               "  bench tiers      store/load throughput per tier vs. memcpy and O_DIRECT limits\n"
               "  bench agent      agent-workload replay through the store: hit rates, miss reasons\n"
               "  bench e2e        TTFT through vLLM: recompute vs prefix hits\n"
               "  bench copy       gather/scatter copy kernels vs memcpy (and PCIe on a GPU)\n"
               "  bench faults     crash/corruption/fuzz/disk-full/sharing/churn/bad-input suite (--quick)\n"
               "  tune --trace T   replay a trace over TTL/capacity settings, recommend a config\n"
+              "  explain --trace T  why turns missed: head changed, history rewritten, expired/evicted\n"
               "  inspect DIR|URL  what an NVMe tier folder or a redis:// remote tier holds (--json)\n"
               "  stats            hit rates and miss reasons of a running store (--url)\n"
               "  config [PATH]    validate a config file and print it resolved", file=sys.stderr)

@@ -21,6 +21,7 @@ from kvstore.placement import MISS_REASONS  # noqa: F401 (re-exported; the rules
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 TIERS = ("dram", "nvme", "remote")  # the tier label's values
+KINDS = ("replay", "genuine")  # the kind label's values (kvstore.offload.replay)
 
 
 class StoreMetrics:
@@ -43,6 +44,14 @@ class StoreMetrics:
         self.miss_tokens = Counter("kvstore_lookup_miss_tokens",
                                    "Looked-up tokens not found, by the reason of the first missing block",
                                    ["reason"], registry=r)
+        # The connector's served tokens split by kind (kvstore.offload.replay): replay, the exact
+        # prompt was seen before; genuine, a new prompt sharing a stored prefix. Counted by the
+        # worker (kvstore.offload.mover) beside kvstore_engine_served_tokens_total{tier}, which
+        # it sums to over kind; defined here so every store's registry carries it.
+        self.served_by_kind = Counter("kvstore_engine_served_tokens_by_kind",
+                                      "Prompt tokens kvstore loaded into the engine, by tier and kind (replay: the "
+                                      "exact prompt was seen before; genuine: a new prompt sharing a stored prefix)",
+                                      ["tier", "kind"], registry=r)
         # Tiers
         self.bytes_in = Counter("kvstore_tier_written_bytes", "Block bytes written into a tier (before a codec)",
                                 ["tier"], registry=r)

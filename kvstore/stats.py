@@ -4,6 +4,10 @@ With the vLLM connector, the hit rate is **served / (prompt - engine-local)**: t
 kvstore loaded into the engine, over the prompt tokens the engine did not already hold. Tokens
 kvstore held that the engine already had are shown apart, never as hits. Without an engine (a
 benchmark, a replay), the store's own lookups are summarized: found / looked up.
+
+Served tokens are split into *replay* (the exact prompt was seen before) and *genuine* reuse
+(a new prompt sharing a stored prefix; kvstore.offload.replay): a hit rate built on replays
+(a staging test resending the same prompts) says little about production traffic.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import urllib.request
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.metrics import TIERS
+from kvstore.metrics import KINDS, TIERS
 
 HIT_RATE_MEANS = "served / (prompt - engine-local hits)"
 
@@ -43,6 +47,16 @@ def _by(vals: dict, name: str, label: str) -> dict[str, float]:
     return {dict(l)[label]: v for (n, l), v in vals.items() if n == name and label in dict(l)}
 
 
+def _by_kind(vals: dict) -> dict[str, dict[str, float]]:
+    """kind -> tier -> served tokens (kvstore_engine_served_tokens_by_kind_total)."""
+    out: dict[str, dict[str, float]] = {k: {t: 0.0 for t in TIERS} for k in KINDS}
+    for (n, l), v in vals.items():
+        d = dict(l)
+        if n == "kvstore_engine_served_tokens_by_kind_total" and d.get("kind") in out and d.get("tier") in TIERS:
+            out[d["kind"]][d["tier"]] += v
+    return out
+
+
 def engine_summary(vals: dict) -> dict | None:
     """Token accounting of the vLLM connector, or None if no engine metrics are present."""
     if not any(n == "kvstore_engine_prompt_tokens_total" for n, _ in vals):
@@ -54,6 +68,8 @@ def engine_summary(vals: dict) -> dict | None:
     unsupplied = _by(vals, "kvstore_engine_unsupplied_tokens_total", "reason")
     needed = prompt - local
     total = sum(served.values())
+    kinds = _by_kind(vals)
+    kind_total = {k: sum(v.values()) for k, v in kinds.items()}
     return {
         "requests": int(_get(vals, "kvstore_engine_requests_total")),
         "prompt_tokens": int(prompt),
@@ -66,6 +82,10 @@ def engine_summary(vals: dict) -> dict | None:
         "hit_rate": total / needed if needed > 0 else 0.0,
         "hit_rate_by_tier": {t: (v / needed if needed > 0 else 0.0) for t, v in served.items()},
         "hit_rate_means": HIT_RATE_MEANS,
+        # served tokens by kind and tier; hit rates over the same denominator (they sum to hit_rate)
+        "served_tokens_by_kind": {k: {t: int(n) for t, n in v.items()} for k, v in kinds.items()},
+        "hit_rate_by_kind": {k: (v / needed if needed > 0 else 0.0) for k, v in kind_total.items()},
+        "replay_share_of_served": kind_total["replay"] / total if total > 0 else 0.0,
     }
 
 
@@ -102,6 +122,13 @@ def render_engine(e: dict) -> list[str]:
              f"({e['prompt_tokens']} - {e['engine_local_hit_tokens']}) tokens, {e['requests']} requests"]
     for t, r in e["hit_rate_by_tier"].items():
         lines.append(f"  served from {t:5s} {r:6.1%}  ({e['served_tokens'][t]} tokens)")
+    kinds = e.get("served_tokens_by_kind")
+    if kinds and any(sum(v.values()) for v in kinds.values()):
+        for k in ("replay", "genuine"):
+            by_tier = ", ".join(f"{t} {n}" for t, n in kinds[k].items() if n) or "none"
+            lines.append(f"  {k:17s} {e['hit_rate_by_kind'][k]:6.1%}  ({sum(kinds[k].values())} tokens: {by_tier})")
+        lines.append(f"  (replay: the exact prompt was seen before, {e['replay_share_of_served']:.1%} of served; "
+                     "genuine: a new prompt sharing a stored prefix)")
     held = sum(e["held_tokens"].values())
     if held:
         lines.append("held by kvstore but already in the engine's prefix cache (not hits): "

@@ -7,6 +7,18 @@
 full blocks, in order — hashes only, no token text, so a production trace is safe to share.
 Extra fields are allowed and ignored by readers. The connector records one when
 ``trace_path`` is set; ``bench agent`` writes synthetic ones; ``kvstore tune`` reads them.
+
+Optional fields (absent when unknown; ``kvstore explain`` reads them, the tuner ignores them).
+The connector writes the first four for every request, as its first lookup found them:
+
+* ``local_tokens``: prompt tokens the engine already had in its own prefix cache;
+* ``hit_tokens``: prompt tokens kvstore promised and pinned for loading (a load that then fails
+  on the worker is still in here; the Prometheus counters count only what was served);
+* ``miss_reason``: the store's reason for the first block it lacked (``null``: every block that
+  may be offered was stored; ``store_error``: the store could not be asked);
+* ``replay``: the exact prompt (tokens and extra keys) was seen before (kvstore.offload.replay);
+* ``tokens``: the prompt's token ids, only with ``trace_tokens: true`` (opt-in: prompts can be
+  private).
 """
 
 from __future__ import annotations
@@ -27,11 +39,35 @@ class TraceRecord:
     block_tokens: int
     prompt_tokens: int
     output_tokens: int
+    local_tokens: int | None = None
+    hit_tokens: int | None = None
+    miss_reason: str | None = None
+    replay: bool | None = None
+    tokens: tuple[int, ...] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"t": round(self.t, 6), "session": self.session, "blocks": [b.hex() for b in self.blocks],
-                           "block_tokens": self.block_tokens, "prompt_tokens": self.prompt_tokens,
-                           "output_tokens": self.output_tokens}, separators=(",", ":"))
+        d = {"t": round(self.t, 6), "session": self.session, "blocks": [b.hex() for b in self.blocks],
+             "block_tokens": self.block_tokens, "prompt_tokens": self.prompt_tokens,
+             "output_tokens": self.output_tokens}
+        for k in OPTIONAL:
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = list(v) if k == "tokens" else v
+        return json.dumps(d, separators=(",", ":"))
+
+
+OPTIONAL = ("local_tokens", "hit_tokens", "miss_reason", "replay", "tokens")  # omitted when None
+
+
+def _optional(d: dict) -> dict:
+    """The optional fields of a parsed line, typed (absent or null: None)."""
+    out = {}
+    for k, conv in (("local_tokens", int), ("hit_tokens", int), ("miss_reason", str), ("replay", bool)):
+        if d.get(k) is not None:
+            out[k] = conv(d[k])
+    if d.get("tokens") is not None:
+        out["tokens"] = tuple(int(x) for x in d["tokens"])
+    return out
 
 
 class TraceError(ValueError):
@@ -43,7 +79,7 @@ def parse_line(line: str, lineno: int = 0) -> TraceRecord:
         d = json.loads(line)
         blocks = tuple(bytes.fromhex(h) for h in d["blocks"])
         rec = TraceRecord(float(d["t"]), str(d["session"]), blocks, int(d["block_tokens"]), int(d["prompt_tokens"]),
-                          int(d.get("output_tokens", 0)))
+                          int(d.get("output_tokens", 0)), **_optional(d))
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"trace line {lineno}: {e!r}; expected {{t, session, blocks, block_tokens, "
                          f"prompt_tokens, output_tokens}}") from None
@@ -74,8 +110,10 @@ class TraceWriter:
         self.flush_every = flush_every
 
     def write(self, t: float, session: str, blocks: Sequence[bytes], block_tokens: int, prompt_tokens: int,
-              output_tokens: int) -> None:
-        line = TraceRecord(t, session, tuple(blocks), block_tokens, prompt_tokens, output_tokens).to_json()
+              output_tokens: int, **optional) -> None:
+        """``optional``: any of ``OPTIONAL`` (a None value is left out of the line)."""
+        line = TraceRecord(t, session, tuple(blocks), block_tokens, prompt_tokens, output_tokens,
+                           **optional).to_json()
         with self._lock:
             if self._f.closed:
                 return

@@ -175,7 +175,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    # a prefetch promotes NVMe blocks into DRAM; without a DRAM tier there
                                    # is nothing to wait for, so the lookup need not "ask again"
                                    prefetch=self.config.tiers.nvme.enabled and self.config.tiers.dram.enabled,
-                                   trace=trace, async_loads=self.config.io.async_loads,
+                                   trace=trace, trace_tokens=self.config.trace_tokens,
+                                   async_loads=self.config.io.async_loads,
                                    async_saves=self.config.io.async_saves,
                                    # over RPC (another process, or TP > 1): no call per finished
                                    # request; the engine core keeps stepping while a free is

@@ -122,7 +122,7 @@ class Mover:
                     n = 0
                 srcs.extend(h.views[:n])
                 dst_ids.extend(lp.block_ids[:n])
-                served.extend(lp.tiers[:n] if len(lp.tiers) >= n else h.tier_of[:n])
+                served.extend((t, lp.kind) for t in (lp.tiers[:n] if len(lp.tiers) >= n else h.tier_of[:n]))
                 lost += pinned - n
             failed.update(lp.block_ids[n:])
         try:
@@ -142,9 +142,12 @@ class Mover:
                     self.store.end_load(h)
                 except Exception as e:
                     self._error("end_load", e)
-        bt = self.store.block_tokens
-        for t in set(served):
-            self.metrics.served_tokens.labels(t).inc(served.count(t) * bt)
+        bt, by_kind = self.store.block_tokens, self.store.metrics.served_by_kind
+        for t, kind in set(served):  # what reached the engine, by tier (and replay / genuine)
+            n = served.count((t, kind)) * bt
+            self.metrics.served_tokens.labels(t).inc(n)
+            if kind:
+                by_kind.labels(t, kind).inc(n)
         if failed:
             self.metrics.unsupplied_tokens.labels("load_failed").inc(len(failed) * bt)
             log.warning("kvstore: %d blocks failed to load (%d pinned but unreadable); vLLM recomputes them",

@@ -17,9 +17,13 @@ were handed to the store, and a pinned load if one is planned.
 * ``build_step``: load plans for newly scheduled hits (``loads``: before this step's forward)
   and for hits allocated to wait (``async_loads``), store plans for every block that becomes
   full in this step (prompt blocks *and* blocks completed during decode).
-* ``finished``: with ``async_saves``, whether vLLM must keep the request's blocks until the
-  worker reports its stores done (``finished_sending``); a store that already finished (the
-  usual case: the gather ran while vLLM sampled) frees them at once.
+* ``track``: a new request's exact prompt is named and marked a replay if it was seen before
+  (kvstore.offload.replay); its loads carry the kind, which the worker counts when served.
+* ``finished``: the request's trace line (``trace_path``): its keys, what its first lookup
+  found (engine-local, kvstore's, the store's miss reason), replay or not, and with
+  ``trace_tokens`` its prompt's token ids. With ``async_saves``, whether vLLM must keep the
+  request's blocks until the worker reports its stores done (``finished_sending``); a store
+  that already finished (the usual case: the gather ran while vLLM sampled) frees them at once.
 
 Cache truth under failure. A block is stored only when its KV is known good:
 
@@ -44,6 +48,7 @@ from typing import Sequence
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.client import StoreClient
 from kvstore.offload.metrics import RequestOutcome
+from kvstore.offload.replay import GENUINE, REPLAY, ReplayMemory, prompt_digest
 from kvstore.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class LoadPlan:
     num_tokens: int
     first: int = 0  # position of block_ids[0] in the request's block table
     tiers: tuple[str, ...] = ()  # the tier each block was found in (for the served-tokens counters)
+    kind: str = ""  # replay or genuine (kvstore.offload.replay), for the served-by-kind counter
 
 
 @dataclass
@@ -109,13 +115,17 @@ class RequestState:
     arrival: float = 0.0  # wall-clock seconds (for the trace)
     session: str = ""
     cacheable: bool = True
+    replay: bool = False  # the exact prompt was seen before
+    first_hit: tuple | None = None  # (engine-local tokens, kvstore tokens pinned, miss reason) at the first lookup
 
 
 class Planner:
     def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True,
                  trace: TraceWriter | None = None, async_loads: bool = False, async_saves: bool = False,
-                 always_delay: bool = False):
+                 always_delay: bool = False, trace_tokens: bool = False):
         self.client = client
+        self.replays = ReplayMemory()
+        self.trace_tokens = trace_tokens  # the trace keeps prompt token ids (opt-in)
         self.async_loads = async_loads
         self.async_saves = async_saves
         self.always_delay = always_delay  # TP > 1: every rank reports its own stores (get_finished)
@@ -171,6 +181,8 @@ class Planner:
             st.cacheable = tokens is not None
             st.arrival, st.session = arrival, session or req_id
             self.reqs[req_id] = st
+            if st.cacheable:
+                st.replay = self.replays.see(prompt_digest(self, st))
         return st
 
     def lookup(self, st: RequestState, num_computed: int) -> int | None:
@@ -264,8 +276,10 @@ class Planner:
             st.load = (hid, first, n, tiers)
             if st.load_async and block_ids is not None and len(block_ids) >= first + n:
                 self._async_pending.append(LoadPlan(st.req_id, list(block_ids[first:first + n]), hid, n * self.bs,
-                                                    first, tiers))
+                                                    first, tiers, REPLAY if st.replay else GENUINE))
                 st.load = None
+        if st.first_hit is None:
+            st.first_hit = (st.num_local, got_blocks * self.bs, "store_error" if st.failed else st.miss_reason)
         o = self.outcome(st, num_external, got_blocks * self.bs, tiers)
         o.errors, self._unreported = self._unreported, 0
         try:
@@ -326,7 +340,8 @@ class Planner:
                 if hid:
                     self._guard("end_load", self.client.end_load, hid)
             else:
-                plan.loads.append(LoadPlan(st.req_id, ids, hid, n * self.bs, first, tuple(tiers)))
+                plan.loads.append(LoadPlan(st.req_id, ids, hid, n * self.bs, first, tuple(tiers),
+                                           REPLAY if st.replay else GENUINE))
         if not st.cacheable:
             return
         if computed < st.saved_blocks * self.bs:
@@ -350,9 +365,11 @@ class Planner:
             return False
         self._drop_load(st)
         if self.trace is not None and st.cacheable:
-            keys = self.keys_upto(st, st.num_prompt_tokens // self.bs)
-            self.trace.write(st.arrival, st.session, keys, self.bs, st.num_prompt_tokens,
-                             max(0, len(st.tokens) - st.num_prompt_tokens))
+            p = st.num_prompt_tokens
+            local, hit, why = st.first_hit or (None, None, None)
+            self.trace.write(st.arrival, st.session, self.keys_upto(st, p // self.bs), self.bs, p,
+                             max(0, len(st.tokens) - p), local_tokens=local, hit_tokens=hit, miss_reason=why,
+                             replay=st.replay, tokens=tuple(st.tokens[:p]) if self.trace_tokens else None)
         if not (self.async_saves and st.had_stores):
             return False
         if self.always_delay:
