@@ -6,13 +6,16 @@ pass. Pure: the caller passes the amounts and the seconds it measured.
 An estimate is time-weighted: the moving sums of amount and of seconds are kept apart and
 divided, so one tiny read (a few blocks, dominated by a fixed cost) weighs what it took, not
 as much as a large one. ``alpha`` is the weight of the newest sample (0.2: the last ~10 reads
-matter). Nothing is known before the first sample: ``value`` is None, and the lookup then
-loads everything it finds, as it did before these estimates existed.
+matter). An estimate counts from its third sample (``MIN_SAMPLES``): before that the lookup
+loads everything it finds, as it did before these estimates existed, so one read that met a busy
+machine cannot turn hits away.
 """
 
 from __future__ import annotations
 
 import threading
+
+MIN_SAMPLES = 3
 
 
 class Rate:
@@ -56,6 +59,6 @@ class Rates:
     def seconds_per_block(self, block_bytes: int, block_tokens: int) -> tuple[dict[str, float], float | None]:
         """(load seconds per block by tier, for the tiers measured; recompute seconds per block)."""
         with self._lock:
-            load = {t: block_bytes / r.value for t, r in self.read.items() if r.value}
-            pf = self.prefill.value
+            load = {t: block_bytes / r.value for t, r in self.read.items() if r.samples >= MIN_SAMPLES}
+            pf = self.prefill.value if self.prefill.samples >= MIN_SAMPLES else None
         return load, (block_tokens / pf if pf else None)

@@ -126,7 +126,7 @@ def test_blocks_the_engine_holds_are_never_prefetched():
     """Only the NVMe blocks past the engine's own hit are prefetched (a read for nothing, and a
     request kept waiting, otherwise)."""
     class NvmeClient(FakeClient):
-        def contains_prefix(self, keys, record=False, num_tokens=None):
+        def contains_prefix(self, keys, record=False, num_tokens=None, held=0):
             m = super().contains_prefix(keys, record, num_tokens)
             return type(m)(m.num_blocks, ("nvme",) * m.num_blocks, m.miss_reason)
 

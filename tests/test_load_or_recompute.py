@@ -58,7 +58,8 @@ def test_a_throttled_tier_is_recomputed_then_loaded_again_once_fast(tmp_path):
         assert s.put(keys, blocks_for(keys)) == 8
         out = np.zeros((8, BLOCK), np.uint8)
         # the engine prefills 16-token blocks at 1 ms each (16k tokens/s)
-        s.rates.observe_prefill(16_000, 1.0)
+        for _ in range(3):  # an estimate counts from its third sample
+            s.rates.observe_prefill(16_000, 1.0)
         for _ in range(3):
             assert s.get(keys, out) == 8  # unthrottled: ~0.1 ms a block here
         assert s.contains_prefix(keys).num_blocks == 8
@@ -90,8 +91,14 @@ def test_without_estimates_nothing_changes(tmp_path):
         failpoints.SLOW_S = 0.02
         failpoints.arm("nvme.read=slow")
         out = np.zeros((5, BLOCK), np.uint8)
-        assert s.get(keys, out) == 5  # slow, measured, but no prefill estimate: still loaded
+        for _ in range(3):
+            assert s.get(keys, out) == 5  # slow, measured, but no prefill estimate: still loaded
         assert s.contains_prefix(keys).num_blocks == 5
+        s.rates.observe_prefill(16_000, 1.0)
+        s.rates.observe_prefill(16_000, 1.0)  # two samples: not yet an estimate
+        assert s.contains_prefix(keys).num_blocks == 5
+        s.rates.observe_prefill(16_000, 1.0)
+        assert s.contains_prefix(keys).num_blocks == 0
     finally:
         failpoints.clear()
         s.close()

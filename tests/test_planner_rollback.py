@@ -34,7 +34,7 @@ class FakeClient:
         if self.broken:
             raise ConnectionError("kvstore rpc: store unreachable")
 
-    def contains_prefix(self, keys, record=False, num_tokens=None):
+    def contains_prefix(self, keys, record=False, num_tokens=None, held=0):
         self._op("contains_prefix")
         n = next((i for i, k in enumerate(keys) if k not in self.stored), len(keys))
         return PrefixMatch(n, ("dram",) * n, None if n == len(keys) else "never_stored")
@@ -46,7 +46,7 @@ class FakeClient:
     def prefetch_done(self, token):
         return True
 
-    def begin_load(self, keys, session=None):
+    def begin_load(self, keys, session=None, ttl_s=None):
         self._op("begin_load")
         n = next((i for i, k in enumerate(keys) if k not in self.stored), len(keys))
         self.next += 1

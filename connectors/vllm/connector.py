@@ -24,7 +24,8 @@ from kvstore.keys import ModelFingerprint
 from kvstore.stats import render_engine
 from kvstore.trace import TraceWriter
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
-                             find, release_shared)
+                             find, hints, release_shared)
+from kvstore.offload.prefillrate import PrefillRate
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -155,6 +156,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         engine = str(ktc.engine_id)
         self.planner: Planner | None = None
         self.mover: Mover | None = None
+        self.prefill: PrefillRate | None = None  # the engine's prefill tokens/s (worker side)
         self.shared = None
         self.server: StoreServer | None = None
         self.client = None
@@ -206,12 +208,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError(f"kvstore: the engine's KV blocks are packed {layout.packing!r} but the keys were "
                              f"made for {expected!r}; {layout.describe()}")
         self.mover.register(tensors, layout)
+        self.prefill = PrefillRate(self.mover.store.rates.observe_prefill, min_tokens=4 * self.block_size,
+                                   device=self.mover.copier.device, device_index=self.mover.copier.device_index)
         log.info("kvstore: KV layout %s", layout.describe())
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self.mover is not None and isinstance(meta, KVStoreMetadata):
             self.mover.load(meta.plan)
+            if self.prefill is not None:  # the forward pass starts: time it if it is mostly prefill
+                self.prefill.start(meta.plan.prefill_tokens, meta.plan.tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before any layer runs
@@ -221,6 +227,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
+        if self.prefill is not None:
+            self.prefill.stop()
         if self.mover is not None and isinstance(meta, KVStoreMetadata):
             self.mover.save(meta.plan)  # with io.async_saves: reserves slots and enqueues the gather
 
@@ -243,9 +251,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         tokens = request.all_token_ids if request.prompt_token_ids is not None else None
         if getattr(request, "prompt_embeds", None) is not None:
             tokens = None  # embeddings, not token ids: nothing to key on
+        new = request.request_id not in self.planner.reqs
         st = self.planner.track(request.request_id, tokens, request.num_prompt_tokens, _request_extra(request),
                                 _request_mm(request), arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
                                 session=str(getattr(request, "cache_salt", None) or ""))
+        if new:  # retention hints (kvstore.offload.hints): a bad one is logged, the config applies
+            st.ttl, st.store = hints.parse(getattr(request, "kv_transfer_params", None), request.request_id)
         n = self.planner.lookup(st, num_computed_tokens)
         return n, bool(n and st.load_async)  # blocks below DRAM: the request waits, others run
 

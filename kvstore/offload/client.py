@@ -18,13 +18,15 @@ from kvstore.store import PrefixMatch
 
 
 class StoreClient(Protocol):
-    def contains_prefix(self, keys: Sequence[bytes], record: bool = False, num_tokens: int | None = None) -> PrefixMatch: ...
+    def contains_prefix(self, keys: Sequence[bytes], record: bool = False, num_tokens: int | None = None,
+                        held: int = 0) -> PrefixMatch: ...
 
     def prefetch(self, keys: Sequence[bytes]) -> int: ...
 
     def prefetch_done(self, token: int) -> bool: ...
 
-    def begin_load(self, keys: Sequence[bytes], session: str | None = None) -> tuple[int, int, tuple[str, ...]]: ...
+    def begin_load(self, keys: Sequence[bytes], session: str | None = None,
+                   ttl_s: float | None = None) -> tuple[int, int, tuple[str, ...]]: ...
 
     def end_load(self, handle_id: int) -> None: ...
 
@@ -52,8 +54,8 @@ class LocalClient:
         self._next = 0
         self._lock = threading.Lock()
 
-    def contains_prefix(self, keys, record=False, num_tokens=None) -> PrefixMatch:
-        return self.store.contains_prefix(keys, record=record, num_tokens=num_tokens)
+    def contains_prefix(self, keys, record=False, num_tokens=None, held=0) -> PrefixMatch:
+        return self.store.contains_prefix(keys, record=record, num_tokens=num_tokens, held=held)
 
     def prefetch(self, keys) -> int:
         f = self.store.prefetch(keys)
@@ -74,8 +76,8 @@ class LocalClient:
                 return True
             return False
 
-    def begin_load(self, keys, session=None) -> tuple[int, int, tuple[str, ...]]:
-        h = self.store.pin_load(keys, session=session)  # no I/O here: the worker reads (Mover.load)
+    def begin_load(self, keys, session=None, ttl_s=None) -> tuple[int, int, tuple[str, ...]]:
+        h = self.store.pin_load(keys, session=session, ttl_s=ttl_s)  # no I/O here: the worker reads (Mover.load)
         return self.shared.put_handle(h), h.num_blocks, tuple(h.tier_of)
 
     def end_load(self, handle_id: int) -> None:

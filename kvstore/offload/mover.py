@@ -165,35 +165,41 @@ class Mover:
                 return i
         return len(sp.block_ids)
 
-    def _to_store(self, plan: StepPlan) -> tuple[list[bytes], list[int]]:
+    def _to_store(self, plan: StepPlan) -> dict[float | None, tuple[list[bytes], list[int], list[str]]]:
+        """The step's good blocks to store, grouped by retention hint: ttl -> (keys, ids, requests)."""
         pid, failed = self._failed_step
         if pid != plan.step:  # start_load_kv did not run for this plan
             failed = set()
-        keys, ids = [], []
+        groups: dict[float | None, tuple[list[bytes], list[int], list[str]]] = {}
         skipped = 0
         for sp in plan.stores:
             n = self._good_part(sp, failed) if failed else len(sp.block_ids)
             skipped += len(sp.block_ids) - n
+            keys, ids, reqs = groups.setdefault(sp.ttl, ([], [], []))
             keys.extend(sp.keys[:n])
             ids.extend(sp.block_ids[:n])
+            reqs.append(sp.req_id)
         if skipped:
             self.metrics.skipped_blocks.labels("failed_load").inc(skipped)
-        return keys, ids
+        return groups
 
     def save(self, plan: StepPlan) -> None:
-        """Store this step's newly full blocks: gathered now, or (``async_saves``) enqueued."""
+        """Store this step's newly full blocks: gathered now, or (``async_saves``) enqueued; one
+        reservation per retention hint in the step (usually one)."""
         if not plan.stores:
             return
         assert self.copier is not None, "register_kv_caches was not called"
+        for ttl, (keys, ids, reqs) in self._to_store(plan).items():
+            self._save(keys, ids, reqs, ttl)
+
+    def _save(self, keys: list[bytes], ids: list[int], reqs: list[str], ttl: float | None) -> None:
         t0 = time.perf_counter()
-        keys, ids = self._to_store(plan)
-        reqs = [sp.req_id for sp in plan.stores]
         if not keys:
             if self.jobs is not None and self.async_saves:
                 self.jobs.mark_stored(reqs)
             return
         try:
-            h = self.store.begin_store(keys)  # reserves slots; no I/O on this thread
+            h = self.store.begin_store(keys, ttl_s=ttl)  # reserves slots; no I/O on this thread
         except Exception as e:
             self._error("begin_store", e)
             if self.jobs is not None and self.async_saves:

@@ -79,6 +79,7 @@ class StorePlan:
     keys: list[bytes]
     start: int = 0  # position of block_ids[0] in the request's block table
     prior_ids: list[int] = field(default_factory=list)  # block_ids before ``start`` (steps that load)
+    ttl: float | None = None  # the request's retention hint (idle TTL), None = the config's
 
 
 @dataclass
@@ -89,6 +90,8 @@ class StepPlan:
     async_loads: list[LoadPlan] = field(default_factory=list)  # requests waiting for their KV
     preempted: list[str] = field(default_factory=list)  # their blocks are reused: finish their stores first
     idle: bool = False  # the engine scheduled no tokens in this step (it only waits for loads)
+    prefill_tokens: int = 0  # of this step's scheduled tokens, those of prompts (for PrefillRate)
+    tokens: int = 0  # all its scheduled tokens
 
 
 @dataclass
@@ -116,6 +119,8 @@ class RequestState:
     session: str = ""
     cacheable: bool = True
     replay: bool = False  # the exact prompt was seen before
+    ttl: float | None = None  # retention hint (kv_transfer_params: kvstore.ttl_s), None = the config's
+    store: bool = True  # False: a one-off request (kvstore.store: false), its blocks are never stored
     first_hit: tuple | None = None  # (engine-local tokens, kvstore tokens pinned, miss reason) at the first lookup
 
 
@@ -205,12 +210,12 @@ class Planner:
             if not self.client.prefetch_done(st.prefetch):
                 return None
             st.prefetch = -1  # done; never prefetch this request again
-        m = self.client.contains_prefix(keys, record=False)
+        skip = num_computed // self.bs  # blocks the engine holds itself: never worth a read
+        m = self.client.contains_prefix(keys, record=False, held=skip)
         st.failed = False
         if st.prefetch is None:
             st.origin = m.tiers
         st.found, st.miss_reason = m.num_blocks, m.miss_reason
-        skip = num_computed // self.bs  # blocks the engine holds itself: never worth a read
         st.load_async = self.async_loads and any(t != "dram" for t in m.tiers[skip:m.num_blocks])
         if self.async_loads:
             return max(0, m.num_blocks * self.bs - num_computed)
@@ -264,7 +269,7 @@ class Planner:
             n = num_external // self.bs
             keys = self.keys_upto(st, first + n)[first:first + n]
             try:
-                hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id)
+                hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id, ttl_s=st.ttl)
             except Exception as e:  # promised but not pinned: plan it anyway, the worker fails every block
                 self._failed("begin_load", e)
                 hid, got_blocks, tier_of = 0, 0, ()
@@ -331,6 +336,8 @@ class Planner:
         return plan
 
     def _plan_req(self, plan: StepPlan, st: RequestState, computed: int, scheduled: int) -> None:
+        plan.tokens += scheduled
+        plan.prefill_tokens += max(0, min(scheduled, st.num_prompt_tokens - computed))
         if st.load is not None:
             hid, first, n, tiers = st.load
             st.load = None
@@ -342,7 +349,7 @@ class Planner:
             else:
                 plan.loads.append(LoadPlan(st.req_id, ids, hid, n * self.bs, first, tuple(tiers),
                                            REPLAY if st.replay else GENUINE))
-        if not st.cacheable:
+        if not st.cacheable or not st.store:
             return
         if computed < st.saved_blocks * self.bs:
             # vLLM rewound the request (a failed load truncated it at the first bad block, or it
@@ -353,7 +360,7 @@ class Planner:
         if full > st.saved_blocks:
             keys = self.keys_upto(st, full)
             start = st.saved_blocks
-            plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full], start))
+            plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full], start, ttl=st.ttl))
             st.saved_blocks = full
             st.had_stores = True
 

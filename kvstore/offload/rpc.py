@@ -76,14 +76,15 @@ class _Handler(socketserver.BaseRequestHandler):
             try:
                 op, a = msg["op"], msg.get("args", {})
                 if op == "contains_prefix":
-                    m = c.contains_prefix(_keys(a["keys"]), a.get("record", False), a.get("num_tokens"))
+                    m = c.contains_prefix(_keys(a["keys"]), a.get("record", False), a.get("num_tokens"),
+                                          int(a.get("held", 0)))
                     res = [m.num_blocks, list(m.tiers), m.miss_reason]
                 elif op == "prefetch":
                     res = c.prefetch(_keys(a["keys"]))
                 elif op == "prefetch_done":
                     res = c.prefetch_done(int(a["token"]))
                 elif op == "begin_load":
-                    hid, n, tiers = c.begin_load(_keys(a["keys"]), a.get("session"))
+                    hid, n, tiers = c.begin_load(_keys(a["keys"]), a.get("session"), a.get("ttl_s"))
                     res = [hid, n, list(tiers)]
                 elif op == "end_load":
                     res = c.end_load(int(a["handle"]))
@@ -210,9 +211,9 @@ class RemoteClient:
             raise RuntimeError(f"kvstore rpc {op}: {r.get('error')}")
         return r.get("result")
 
-    def contains_prefix(self, keys, record=False, num_tokens=None) -> PrefixMatch:
+    def contains_prefix(self, keys, record=False, num_tokens=None, held=0) -> PrefixMatch:
         n, tiers, reason = self._call("contains_prefix", keys=[k.hex() for k in keys], record=record,
-                                      num_tokens=num_tokens)
+                                      num_tokens=num_tokens, held=held)
         return PrefixMatch(n, tuple(tiers), reason)
 
     def prefetch(self, keys) -> int:
@@ -221,8 +222,8 @@ class RemoteClient:
     def prefetch_done(self, token: int) -> bool:
         return bool(self._call("prefetch_done", token=token))
 
-    def begin_load(self, keys, session=None):
-        hid, n, tiers = self._call("begin_load", keys=[k.hex() for k in keys], session=session)
+    def begin_load(self, keys, session=None, ttl_s=None):
+        hid, n, tiers = self._call("begin_load", keys=[k.hex() for k in keys], session=session, ttl_s=ttl_s)
         return hid, n, tuple(tiers)
 
     def end_load(self, handle_id: int) -> None:

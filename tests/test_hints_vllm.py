@@ -1,0 +1,114 @@
+"""Per-request hints and the prefill clock through a real vLLM engine (issue 17 items 1 and 3).
+
+* ``kv_transfer_params={"kvstore": {"store": false}}``: a one-off request; nothing of it is
+  stored, and it still gets vLLM's output.
+* ``{"kvstore": {"ttl_s": 7200}}``: the blocks it stores carry that idle TTL.
+* A bad hint is an error in the log that names the request and the key; the request runs as
+  usual, under the config.
+* The worker times mostly-prefill forward passes, so the store has a prefill estimate for the
+  "load or recompute?" decision (the decision itself: tests/test_load_or_recompute.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvstore.offload import hints
+from kvstore.offload.prefillrate import PrefillRate
+
+from test_vllm_connector import Engine, prompt, reference
+
+BS = 32
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def hint_log():
+    h, lg = _Lines(), logging.getLogger("kvstore.offload.hints")
+    lg.addHandler(h)
+    yield h.lines
+    lg.removeHandler(h)
+
+
+@pytest.mark.parametrize("params, want, logged", [
+    (None, (None, True), []),
+    ({"other_connector": {"x": 1}}, (None, True), []),
+    ({"kvstore": {"ttl_s": 3600}}, (3600.0, True), []),
+    ({"kvstore": {"store": False}}, (None, False), []),
+    ({"kvstore": {"ttl_s": None, "store": True}}, (None, True), []),
+    ({"kvstore": {"ttl_s": -1}}, (None, True), ["kvstore.ttl_s"]),
+    ({"kvstore": {"ttl_s": "1h"}}, (None, True), ["kvstore.ttl_s"]),
+    ({"kvstore": {"ttl_s": True}}, (None, True), ["kvstore.ttl_s"]),
+    ({"kvstore": {"store": "no"}}, (None, True), ["kvstore.store"]),
+    ({"kvstore": {"ttl": 60, "store": False}}, (None, False), ["kvstore.ttl"]),
+    ({"kvstore": "keep"}, (None, True), ["'kvstore'"]),
+])
+def test_parse(params, want, logged, hint_log):
+    assert hints.parse(params, "req-7") == want
+    assert len(hint_log) == len(logged)
+    for line, key in zip(hint_log, logged):
+        assert "req-7" in line and key in line and "allowed" in line and "config applies" in line
+
+
+def test_prefill_rate_counts_prefill_steps_only():
+    seen = []
+    r = PrefillRate(lambda t, s: seen.append((t, s)), min_tokens=128)
+    r.start(prefill_tokens=512, total_tokens=520)
+    r.stop()
+    r.start(prefill_tokens=64, total_tokens=64)  # too few to measure a rate
+    r.stop()
+    r.start(prefill_tokens=300, total_tokens=600)  # half decode
+    r.stop()
+    r.stop()  # no start: nothing
+    assert len(seen) == 1 and seen[0][0] == 512 and seen[0][1] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4)
+
+
+def _generate(e: Engine, prompts, params):
+    from vllm import SamplingParams
+
+    outs = e.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          [SamplingParams(max_tokens=8, temperature=0, extra_args={"kv_transfer_params": kp})
+                           for kp in params], use_tqdm=False)
+    assert e.llm.reset_prefix_cache()
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def _ttls(store) -> list:
+    ix = store.dram.index
+    return sorted((e.ttl for e in ix.entries.values()), key=lambda t: (t is not None, t or 0))
+
+
+@pytest.mark.vllm
+def test_hints_through_the_engine(tiny_model, tmp_path, hint_log):
+    once, kept, bad = prompt(300, 41), prompt(300, 42), prompt(300, 43)
+    ref = reference(tiny_model, [once, kept, bad], max_tokens=8)
+    with Engine(tiny_model, str(tmp_path / "s"), dram_gb=0.2) as e:
+        store = e.shared.store
+        out, cached = _generate(e, [once], [{"kvstore": {"store": False}}])
+        assert out == ref[:1] and cached == [0] and len(store.dram) == 0  # nothing stored
+        out, cached = _generate(e, [kept], [{"kvstore": {"ttl_s": 7200}}])
+        assert out == ref[1:2] and _ttls(store) == [7200.0] * 9  # its 9 full blocks, with the hint
+        out, cached = _generate(e, [bad], [{"kvstore": {"ttl_s": -5, "bogus": 1}}])
+        assert out == ref[2:] and _ttls(store) == [None] * 9 + [7200.0] * 9  # the config's TTL
+        assert any("kvstore.ttl_s" in ln for ln in hint_log) and any("kvstore.bogus" in ln for ln in hint_log)
+        # the one-off prompt again: still not stored, so not a hit; the others are
+        out, cached = _generate(e, [once, kept, bad], [{"kvstore": {"store": False}}, None, None])
+        assert out == ref and cached == [0, 288, 288]
+        assert store.rates.prefill.value is not None and store.rates.prefill.value > 0  # timed prefills
