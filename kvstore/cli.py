@@ -42,7 +42,7 @@ def _inspect(argv: list[str]) -> int:
 
         info = inspect_remote(a.dir, cluster=a.cluster, limit=a.limit)
     else:
-        from kvstore.inspect import inspect_folder, render
+        from kvstore.inspect_nvme import inspect_folder, render
 
         if a.cluster or a.limit is not None:
             p.error("--cluster and --limit apply to a redis:// or rediss:// url")

@@ -34,7 +34,7 @@ from redis.retry import Retry
 
 from kvstore import fileformat as ff
 from kvstore.codecs.registry import CODEC_NAMES
-from kvstore.inspect import AGE_BUCKETS
+from kvstore.inspect_common import count_block, namespace_lines, new_namespace
 
 ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
 _NAME = re.compile(rb"kvs:\{([0-9a-f]{32})\.([0-9a-f]{2})\}:([0-9a-f]{32})")
@@ -71,9 +71,7 @@ def _seed(url: str) -> tuple[str, int, int, bool, str]:
 
 
 def _new_ns() -> dict:
-    return {"blocks": 0, "bytes": 0, "payload_bytes": 0, "codecs": {}, "age": {name: 0 for _, name in AGE_BUCKETS},
-            "oldest_s": None, "newest_s": None, "ttl_s": None, "no_ttl": 0, "bad_values": 0, "bad_bytes": 0,
-            "bad_reasons": {}, "_ttls": []}
+    return new_namespace(ttl_s=None, no_ttl=0, bad_values=0, bad_bytes=0, bad_reasons={}, _ttls=[])
 
 
 def _check(value, length: int, ns: bytes, key: bytes) -> tuple[str | None, ff.Header | None]:
@@ -216,18 +214,7 @@ def inspect_remote(url: str | list[str], *, cluster: bool = False, limit: int | 
                         info["bad_bytes"] += size
                         info["bad_reasons"][reason] = info["bad_reasons"].get(reason, 0) + 1
                         continue
-                    info["blocks"] += 1
-                    info["bytes"] += size
-                    info["payload_bytes"] += h.payload_len
-                    codec = CODEC_NAMES[h.codec_id]
-                    info["codecs"][codec] = info["codecs"].get(codec, 0) + 1
-                    age = max(0.0, now - h.created)
-                    for lim, label in AGE_BUCKETS:
-                        if age < lim:
-                            info["age"][label] += 1
-                            break
-                    info["oldest_s"] = age if info["oldest_s"] is None else max(info["oldest_s"], age)
-                    info["newest_s"] = age if info["newest_s"] is None else min(info["newest_s"], age)
+                    count_block(info, size, h.payload_len, h.codec_id, now - h.created)
                     if isinstance(pttl, int) and pttl >= 0:
                         info["_ttls"].append(pttl / 1000)
                     else:
@@ -267,10 +254,7 @@ def render(info: dict) -> str:
              f"{len(info['namespaces'])} namespace(s), {info['bad_values']} bad value(s), "
              f"{info['other_keys']} other key(s)"]
     for name, ns in info["namespaces"].items():
-        lines.append(f"  {name}: {ns['blocks']} blocks, {ns['bytes'] / 2**20:.1f} MiB "
-                     f"(payload {ns['payload_bytes'] / 2**20:.1f} MiB), codecs {ns['codecs'] or '{}'}")
-        ages = "  ".join(f"{k} {v}" for k, v in ns["age"].items())
-        lines.append(f"    age (since written): {ages}")
+        lines += namespace_lines(name, ns, "written")
         t = ns["ttl_s"]
         ttl = "none" if t is None else f"min {_dur(t['min'])}  median {_dur(t['median'])}  max {_dur(t['max'])}"
         if t is not None and ns["no_ttl"]:

@@ -6,10 +6,7 @@ import os
 import time
 
 from kvstore import fileformat as ff
-from kvstore.codecs.registry import CODEC_NAMES
-
-AGE_BUCKETS = ((60, "<1m"), (600, "1m-10m"), (3600, "10m-1h"), (86400, "1h-1d"), (7 * 86400, "1d-7d"),
-               (float("inf"), ">7d"))
+from kvstore.inspect_common import count_block, namespace_lines, new_namespace
 
 
 def inspect_folder(path: str, now: float | None = None) -> dict:
@@ -24,9 +21,7 @@ def inspect_folder(path: str, now: float | None = None) -> dict:
     for ns in sorted(os.scandir(path), key=lambda d: d.name):
         if not ns.name.startswith("kvstore-") or not ns.is_dir(follow_symlinks=False):
             continue
-        info = {"blocks": 0, "bytes": 0, "payload_bytes": 0, "fingerprints": {}, "codecs": {},
-                "age": {name: 0 for _, name in AGE_BUCKETS}, "bad_files": 0, "temp_files": 0,
-                "oldest_s": None, "newest_s": None}
+        info = new_namespace(fingerprints={}, bad_files=0, temp_files=0)
         for root, dirs, files in os.walk(ns.path, followlinks=False):
             in_tmp = os.path.basename(root) == "tmp"
             for name in files:
@@ -43,20 +38,9 @@ def inspect_folder(path: str, now: float | None = None) -> dict:
                 except (OSError, ff.BadBlockFile):
                     info["bad_files"] += 1
                     continue
-                info["blocks"] += 1
-                info["bytes"] += st.st_size
-                info["payload_bytes"] += h.payload_len
+                count_block(info, st.st_size, h.payload_len, h.codec_id, now - st.st_mtime)
                 fp = h.fingerprint.hex()
                 info["fingerprints"][fp] = info["fingerprints"].get(fp, 0) + 1
-                codec = CODEC_NAMES.get(h.codec_id, str(h.codec_id))
-                info["codecs"][codec] = info["codecs"].get(codec, 0) + 1
-                age = max(0.0, now - st.st_mtime)
-                for limit, label in AGE_BUCKETS:
-                    if age < limit:
-                        info["age"][label] += 1
-                        break
-                info["oldest_s"] = age if info["oldest_s"] is None else max(info["oldest_s"], age)
-                info["newest_s"] = age if info["newest_s"] is None else min(info["newest_s"], age)
         out["namespaces"][ns.name] = info
         for k in ("blocks", "bytes", "bad_files", "temp_files"):
             out[k] += info[k]
@@ -68,10 +52,9 @@ def render(info: dict) -> str:
              f"{len(info['namespaces'])} namespace(s), {info['bad_files']} bad file(s), "
              f"{info['temp_files']} temp file(s)"]
     for name, ns in info["namespaces"].items():
-        lines.append(f"  {name}: {ns['blocks']} blocks, {ns['bytes'] / 2**20:.1f} MiB "
-                     f"(payload {ns['payload_bytes'] / 2**20:.1f} MiB), codecs {ns['codecs'] or '{}'}")
+        head, ages = namespace_lines(name, ns, "last use")
+        lines.append(head)
         for fp, n in ns["fingerprints"].items():
             lines.append(f"    fingerprint {fp}: {n} blocks")
-        ages = "  ".join(f"{k} {v}" for k, v in ns["age"].items())
-        lines.append(f"    age (since last use): {ages}")
+        lines.append(ages)
     return "\n".join(lines)
