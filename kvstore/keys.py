@@ -71,9 +71,18 @@ class ModelFingerprint:
     tp_size: int = 1
     codec: str = "none"
     extra: tuple = ()  # anything else (e.g. kv-cache dtype, pp rank)
+    # how a block's bytes are packed (kvcopy.KVLayout.packing: "std", "vllm_cpu"), which the worker
+    # checks against the engine's caches; part of ``layout`` already, so it is kept out of the digest
+    packing: str = ""
+
+    def __post_init__(self) -> None:
+        if self.packing and f".{self.packing}" not in self.layout:
+            raise ValueError(f"fingerprint packing {self.packing!r} is not the one of layout {self.layout!r}")
 
     def digest(self) -> bytes:
-        return _h(b"kvstore-fp-v1" + encode(dataclasses.asdict(self)))
+        d = dataclasses.asdict(self)
+        del d["packing"]
+        return _h(b"kvstore-fp-v1" + encode(d))
 
     def hex(self) -> str:
         return self.digest().hex()

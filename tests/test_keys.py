@@ -67,8 +67,11 @@ def test_known_value_is_stable():
     import struct
 
     import xxhash
-    root = xxhash.xxh3_128_digest(b"kvstore-fp-v1" + encode(dataclasses.asdict(fp)))
-    assert root_of(fp) == root
+    fields = {k: v for k, v in dataclasses.asdict(fp).items() if k != "packing"}  # named by layout already
+    root = xxhash.xxh3_128_digest(b"kvstore-fp-v1" + encode(fields))
+    assert root_of(fp) == root and root.hex() == "9410fbf5949bf8780fab3cf5669328d8"  # as before the packing field existed
+    typed = ModelFingerprint(model="m", layout="kvblock-v1.std", packing="std")
+    assert typed.digest() == ModelFingerprint(model="m", layout="kvblock-v1.std").digest()
     toks = np.arange(4, dtype="<u4").tobytes()
     assert k[0] == xxhash.xxh3_128_digest(root + struct.pack("<I", len(toks)) + toks)
 
@@ -76,7 +79,7 @@ def test_known_value_is_stable():
 _ALT = {str: "other", int: 99, tuple: ("x",)}
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ModelFingerprint)])
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ModelFingerprint) if f.name != "packing"])
 def test_every_fingerprint_field_changes_the_keys(field):
     cur = getattr(FP, field)
     alt = _ALT[type(cur)]
@@ -86,6 +89,14 @@ def test_every_fingerprint_field_changes_the_keys(field):
     assert fp2.digest() != FP.digest()
     a, b = chain_keys(FP, TOKENS, BS), chain_keys(fp2, TOKENS, BS)
     assert not set(a) & set(b)
+
+
+def test_packing_is_the_layouts():
+    """``packing`` is typed for the worker's check, and named by ``layout`` (which the digest
+    covers): one that ``layout`` does not name is refused."""
+    assert ModelFingerprint(model="m", layout="kvblock-v1.vllm_cpu-vec", packing="vllm_cpu").packing == "vllm_cpu"
+    with pytest.raises(ValueError, match="packing 'std'"):
+        ModelFingerprint(model="m", layout="kvblock-v1.vllm_cpu-vec", packing="std")
 
 
 def test_extra_keys_change_the_keys():

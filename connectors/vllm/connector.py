@@ -74,9 +74,10 @@ def _tp_rank(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[int, int
     return rank, size
 
 
-def block_packing(vllm_config: "VllmConfig", spec) -> str:
-    """How the engine packs a block's bytes (the store keeps pages byte for byte): vLLM's CPU
-    backend packs per ISA (K transposed etc.), every GPU backend uses the standard order."""
+def block_packing(vllm_config: "VllmConfig", spec) -> tuple[str, str]:
+    """How the engine packs a block's bytes (the store keeps pages byte for byte), and its
+    variant: vLLM's CPU backend packs per ISA (K transposed etc.), every GPU backend uses the
+    standard order."""
     try:
         from vllm.platforms import current_platform
 
@@ -84,7 +85,7 @@ def block_packing(vllm_config: "VllmConfig", spec) -> str:
     except Exception:  # pragma: no cover
         on_cpu = True
     if not on_cpu:
-        return "std"
+        return "std", ""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -92,7 +93,7 @@ def block_packing(vllm_config: "VllmConfig", spec) -> str:
                             vllm_config.cache_config.cache_dtype)
     except Exception:  # a vLLM without that helper: still never mix with GPU blocks
         isa = "unknown"
-    return f"vllm_cpu-{isa}"
+    return "vllm_cpu", isa
 
 
 def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", codec: str,
@@ -106,9 +107,11 @@ def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     layers = list(groups[0].layer_names)
     mc = vllm_config.model_config
     rank, size = _tp_rank(vllm_config, role)
+    packing, variant = block_packing(vllm_config, spec)
     fp = ModelFingerprint(
         model=str(mc.model), revision=str(mc.revision or ""), dtype=str(spec.dtype),
-        layout=f"kvblock-v{kvcopy.STORE_FORMAT_VERSION}.{block_packing(vllm_config, spec)}",
+        layout=f"kvblock-v{kvcopy.STORE_FORMAT_VERSION}.{packing}" + (f"-{variant}" if variant else ""),
+        packing=packing,
         block_size=int(spec.block_size),
         num_layers=len(layers), num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
         tp_rank=rank, tp_size=size, codec=codec,
@@ -201,7 +204,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         tensors = [kv_caches[n] for n in self.layer_names if n in kv_caches]
         if len(tensors) != len(self.layer_names):
             tensors = list(kv_caches.values())
-        expected = self.fingerprint.layout.split(".", 1)[1].split("-")[0]
+        expected = self.fingerprint.packing
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         layout = kvcopy.KVLayout.from_vllm(tensors, mla=type(spec).__name__.startswith("MLA"))
         if layout.packing != expected:
