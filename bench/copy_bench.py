@@ -18,7 +18,6 @@ returns a dict (used by ``kvstore bench copy``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -28,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from bench import harness
+from bench.report import write_json
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.copy_bench", description=__doc__.split("\n")[0])
-    add_args(p)
-    return p
+    return harness.parser(__name__, prog="python -m bench.copy_bench")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="skip mode=dma when a copy would take more cudaMemcpy calls than this")
     p.add_argument("--nt", choices=["auto", "on", "off"], default="auto",
                    help="CPU non-temporal stores")
-    p.add_argument("--json", default=None, help="write results as JSON here")
+    harness.output_args(p, plots=False)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -304,14 +304,12 @@ def run(args: argparse.Namespace | None = None) -> dict:
     result["markdown"] = markdown(rows)
     if args is not None:  # the command line (kvstore bench copy, python -m bench.copy_bench) prints it
         print(result["markdown"])
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({k: v for k, v in result.items() if k != "markdown"}, f, indent=2)
+    write_json(a.json, {k: v for k, v in result.items() if k != "markdown"})
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(build_parser().parse_args(argv))
+    harness.main(__name__, argv, prog="python -m bench.copy_bench")
     return 0
 
 

@@ -40,6 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench import engine  # noqa: E402
+
 BS = 32
 MAX_TOKENS = 16
 # name -> (what, how): "file" damages files on disk; "fp" arms a failpoint; which modes it applies to
@@ -71,36 +73,20 @@ def workload(i: int) -> dict:
 
 
 # -- the engine ------------------------------------------------------------------------------------
-class Engine:
+class Engine(engine.Engine):
+    """The engine of one driver: KVStoreConnector (or none) on ``store``, its metrics on ``port``."""
+
     def __init__(self, model: str, store: str, *, dram_gb: float, mp: bool, port: int | None,
                  connector: bool = True, prefix_caching: bool = True):
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        kw = dict(enforce_eager=True, block_size=BS, max_model_len=4096, dtype="float32", seed=0,
-                  enable_prefix_caching=prefix_caching)
-        if mp:
-            kw["distributed_executor_backend"] = "mp"  # worker in its own process: the store is reached over RPC
+        ktc = None
         if connector:
             # the DRAM index holds 80 blocks; 32 more slots (a turn's stores and more) take
             # the victims still being written down, so a turn's stores are not skipped
             head = HEADROOM if dram_gb else "auto"
-            cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None, "headroom_blocks": head},
-                             "nvme": {"path": store, "capacity_gb": 1, "ttl_s": None}},
-                   "metrics": {"port": port}}
-            kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
-                                                        kv_connector_extra_config=cfg)
-        self.llm = LLM(model, **kw)
+            cfg = engine.connector_config(store, dram_gb=dram_gb, nvme_gb=1, dram={"headroom_blocks": head})
+            ktc = engine.kv_transfer({**cfg, "metrics": {"port": port}})
+        super().__init__(model, block_size=BS, max_len=4096, kv_transfer=ktc, prefix_caching=prefix_caching, mp=mp)
         self.port = port
-
-    def generate(self, prompts, reset: bool):
-        from vllm import SamplingParams
-
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
-        if reset:
-            self.llm.reset_prefix_cache()
-        return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
 
     def metrics(self) -> dict[str, float]:
         if not self.port:
@@ -118,10 +104,6 @@ class Engine:
                 except ValueError:
                     pass
         return out
-
-    def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
 
 
 def free_port() -> int:
@@ -252,12 +234,12 @@ def run_reference(model: str, store: str, names: list[str]) -> dict:
             prompts = [w["system"] + w["user"][0][s] for s in range(3)]
             turns = []
             for t in range(4):
-                outs, _ = e.generate(prompts, reset=False)
+                outs, _ = e.generate(prompts, MAX_TOKENS, reset=False)
                 turns.append({"prompts": prompts, "outputs": outs})
                 if t < 3:
                     prompts = [p + o + w["user"][t + 1][s] for s, (p, o) in enumerate(zip(prompts, outs))]
             ref[name] = turns
-        e.generate(flush_prompts(), reset=False)
+        e.generate(flush_prompts(), MAX_TOKENS, reset=False)
     finally:
         e.close()
     return ref
@@ -297,10 +279,10 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
 
         for name in names:  # 1. fill
             turn0 = ref[name][0]
-            outs, _ = e.generate(turn0["prompts"], reset=True)
+            outs, _ = e.generate(turn0["prompts"], MAX_TOKENS, reset=True)
             res["faults"][name] = {"fill_identical": outs == turn0["outputs"]}
         if dram:  # 2. push the fills out of DRAM (demoted to files)
-            e.generate(flush_prompts(), reset=True)
+            e.generate(flush_prompts(), MAX_TOKENS, reset=True)
         for name in names:
             f, r = FAULTS[name], res["faults"][name]
             turns = ref[name]
@@ -313,11 +295,11 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 set_failpoints(ctl, f["fp"])
             wrong, cached = 0, []
             for t in (1, 2):  # 4. follow-ups
-                outs, c = e.generate(turns[t]["prompts"], reset=True)
+                outs, c = e.generate(turns[t]["prompts"], MAX_TOKENS, reset=True)
                 wrong += sum(1 for a, b in zip(outs, turns[t]["outputs"]) if a != b)
                 cached.append(c)
             set_failpoints(ctl, "")
-            outs, c = e.generate(turns[3]["prompts"][:1], reset=True)  # 5. healed?
+            outs, c = e.generate(turns[3]["prompts"][:1], MAX_TOKENS, reset=True)  # 5. healed?
             wrong += int(outs[0] != turns[3]["outputs"][0])
             # what a run without the fault hits: turn 2's prompt and the output tokens with KV
             full = min((len(turns[2]["prompts"][0]) + MAX_TOKENS - 1) // BS, (len(turns[3]["prompts"][0]) - 1) // BS) * BS
@@ -385,55 +367,3 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-
-
-# -- the `kvstore bench faults` family -------------------------------------------------------------
-def family(work: str, *, quick: bool, advance=lambda n=1: None) -> dict:
-    """The matrix as a fault family: a reference run, then in-process (and, unless ``quick``,
-    multiprocess) engines with the DRAM tier off and on. Figures: corrupt_served, poisoned_stores."""
-    import importlib.util
-    import subprocess
-
-    if importlib.util.find_spec("vllm") is None:
-        return {"skipped": "vLLM is not installed"}
-    from bench.tiny_model import build_tiny_llama
-
-    model = build_tiny_llama(os.path.join(work, "model"), hidden=256, layers=4, seed=0)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-    def drive(args, extra=None) -> dict:
-        p = subprocess.run([sys.executable, "-m", "bench.faults_engine", *args], capture_output=True, text=True,
-                           env={**env, **(extra or {})}, cwd=REPO, timeout=1800)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not lines:
-            raise RuntimeError(f"bench.faults_engine {' '.join(args)} failed:\n{p.stderr[-3000:]}")
-        return json.loads(lines[-1][len("RESULT "):])
-
-    ref, ref_store = os.path.join(work, "ref.json"), os.path.join(work, "ref-store")
-    drive(["--reference", "--model", model, "--store", ref_store, "--out", ref])
-    advance()
-    runs = []
-    for mp in ([False] if quick else [False, True]):
-        for dram in (0, 1):
-            tag = f"{'mp' if mp else 'inproc'}-dram{dram}"
-            ctl = os.path.join(work, f"{tag}.failpoints")
-            open(ctl, "w").close()
-            runs.append(drive(["--model", model, "--store", os.path.join(work, tag), "--ref", ref, "--ref-store",
-                               ref_store, "--dram", str(dram), "--out", os.path.join(work, f"{tag}.json")]
-                              + (["--mp"] if mp else []), {"KVSTORE_FAILPOINTS": f"@{ctl}"}))
-            advance()
-    rows = []
-    for r in runs:
-        for name, f in r["faults"].items():
-            rows.append({"mode": r["mode"], "dram": r["dram"], "fault": name, "wrong": f["wrong_outputs"],
-                         "healed": f["healed"], "loads_failed": f["loads_failed_blocks"],
-                         "recomputed": f["tokens_recomputed"], "stored_again": f["blocks_stored_again"],
-                         "skipped": f["stores_skipped_failed_load"], "errors": f["store_errors"],
-                         "corrupt_files": f["corrupt_files"]})
-    return {"corrupt_served": sum(r["corrupt_served"] for r in runs),
-            "poisoned_stores": sum(r["poisoned_stores"] for r in runs),
-            "engine_blocks_compared": sum(r["blocks_compared"] for r in runs),
-            "engine_follow_ups": sum(f["follow_ups"] for r in runs for f in r["faults"].values()),
-            "engine_not_healed": sum(1 for row in rows if row["healed"] is False),
-            "engine_runs": len(runs), "rows": rows}

@@ -1,4 +1,5 @@
-"""Markdown tables, JSON and progress bars shared by every benchmark mode."""
+"""Markdown tables, JSON files and PNG plots shared by every benchmark mode (the mode protocol:
+bench/harness.py)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,23 @@ def write_json(path: str | None, data: dict) -> None:
         json.dump(data, f, indent=2)
 
 
-def progress(total: int, description: str):
-    """A rich progress bar (quiet when stdout is not a terminal)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+class Figures:
+    """PNG plots into ``folder`` (matplotlib without a display): draw with ``plt``, write each
+    figure with ``save(fig, name)``; ``paths`` lists what was written."""
 
-    p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                 TimeElapsedColumn(), transient=True)
-    task = p.add_task(description, total=total)
-    return p, task
+    def __init__(self, folder: str):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        os.makedirs(folder, exist_ok=True)
+        self.plt, self.folder, self.paths = plt, folder, []
+
+    def save(self, fig, name: str) -> str:
+        fig.tight_layout()
+        path = os.path.join(self.folder, name)
+        fig.savefig(path, dpi=110)
+        self.plt.close(fig)
+        self.paths.append(path)
+        return path

@@ -1,4 +1,5 @@
-"""The fault suite, CI-sized (the long run is ``kvstore bench faults``; both use bench/faults.py).
+"""The fault suite, CI-sized (the long run is ``kvstore bench faults``; both use bench/faults.py and its
+families in bench/fault_families/).
 
 Crashes (SIGKILL of a writer process), corruption and bad files, fuzzing the header parser,
 a full disk (a real size-limited tmpfs), two processes on one folder, churn (RSS, open files,

@@ -7,7 +7,6 @@ see bad KV: wrong bytes under the right keys change the output.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 vllm = pytest.importorskip("vllm")
 
+from bench.engine import Engine as BenchEngine, connector_config, kv_transfer  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 
@@ -51,34 +51,24 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return [int(x) for x in rng.integers(4, 500, size=n)]
 
 
-class Engine:
-    """One vLLM engine in this process, with or without KVStoreConnector."""
+class Engine(BenchEngine):
+    """One vLLM engine in this process (bench.engine's), with or without KVStoreConnector."""
 
     def __init__(self, model: str, store: str | None, *, block_size: int = 32, dram_gb: float = 0.05,
                  nvme_gb: float = 1.0, connector: bool = True, extra: dict | None = None, **llm_kw):
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        kw = dict(enforce_eager=True, block_size=block_size, max_model_len=4096, dtype="float32", seed=0)
-        kw.update(llm_kw)
+        kt = None
         if connector:
-            cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
-                             "nvme": {"path": store, "capacity_gb": nvme_gb, "ttl_s": None}}}
+            cfg = connector_config(store, dram_gb=dram_gb, nvme_gb=nvme_gb)
             cfg.update(extra or {})
-            kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
-                                                        kv_connector_extra_config=cfg)
-        else:
-            kw["enable_prefix_caching"] = False
-        self.llm = LLM(model, **kw)
+            kt = kv_transfer(cfg)
+        super().__init__(model, block_size=block_size, max_len=llm_kw.pop("max_model_len", 4096), kv_transfer=kt,
+                         prefix_caching=connector, **llm_kw)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, reset: bool = True):
-        from vllm import SamplingParams
-
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)
+        out = super().generate(prompts, max_tokens)
         if reset:  # forget vLLM's own prefix cache: later hits can only come from kvstore
             assert self.llm.reset_prefix_cache()
-        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+        return out
 
     @property
     def shared(self):
@@ -87,13 +77,7 @@ class Engine:
         return live[0]
 
     def close(self) -> None:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        super().close()
         assert shared_mod.live() == [], "the connector did not release its store"
 
     def __enter__(self):

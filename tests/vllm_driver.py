@@ -16,29 +16,22 @@ import sys
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: bench.engine
 
 
 def main() -> None:
     job = json.loads(sys.argv[1])
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from bench.engine import Engine, connector_config, kv_transfer
 
-    extra = {"tiers": {"dram": {"capacity_gb": job.get("dram_gb", 0.05), "ttl_s": None},
-                       "nvme": {"path": job["store"], "capacity_gb": job.get("nvme_gb", 1), "ttl_s": None}}}
-    if job.get("remote"):  # the shared tier (credentials from KVSTORE_REDIS_PASSWORD in the environment)
-        extra["tiers"]["remote"] = job["remote"]
-    ktc = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    if job.get("module_path"):
-        ktc["kv_connector_module_path"] = "connectors.vllm.connector"
-    llm = LLM(job["model"], enforce_eager=True, block_size=job.get("block_size", 32), max_model_len=2048,
-              dtype="float32", seed=0, kv_transfer_config=KVTransferConfig(**ktc))
-    sp = SamplingParams(max_tokens=job.get("max_tokens", 16), temperature=0)
+    extra = connector_config(job["store"], dram_gb=job.get("dram_gb", 0.05), nvme_gb=job.get("nvme_gb", 1),
+                             remote=job.get("remote"))
+    eng = Engine(job["model"], block_size=job.get("block_size", 32), max_len=2048,
+                 kv_transfer=kv_transfer(extra, module_path="connectors.vllm.connector" if job.get("module_path")
+                                         else None))
     rounds = []
     for _ in range(job.get("rounds", 1)):
-        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sp, use_tqdm=False)
-        rounds.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                       "cached": [o.num_cached_tokens for o in outs]})
-        llm.reset_prefix_cache()
+        tokens, cached = eng.generate(job["prompts"], job.get("max_tokens", 16), reset=True)
+        rounds.append({"tokens": tokens, "cached": cached})
     counters = {}
     from kvstore.offload import shared as shared_mod
 
@@ -50,7 +43,7 @@ def main() -> None:
                     "served_remote_tokens": sh.metrics.registry.get_sample_value(
                         "kvstore_engine_served_tokens_total", {"tier": "remote"}) or 0.0}
     print("RESULT " + json.dumps({"rounds": rounds, "counters": counters}), flush=True)
-    llm.llm_engine.engine_core.shutdown()
+    eng.close()
 
 
 if __name__ == "__main__":

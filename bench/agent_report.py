@@ -1,0 +1,123 @@
+"""The tables and plots of ``kvstore bench agent`` (bench/agent.py)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.report import Figures, markdown_table
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.1f}%"
+
+
+def _ttl_name(t: float | None) -> str:
+    if t is None:
+        return "none"
+    for unit, s in (("h", 3600), ("min", 60)):
+        if t >= s and t % s == 0:
+            return f"{int(t // s)} {unit}"
+    return f"{t:g} s"
+
+
+def render(data: dict) -> str:
+    st = data["params"]["store"]["tiers"]
+    d, n = st.get("dram", {}), st.get("nvme", {})
+    lines = [f"Agent workload through the store (virtual clock; {data['block_tokens']}-token blocks of "
+             f"{data['kv_block_bytes'] / 2**20:.1f} MiB at the model's size; DRAM {d.get('capacity_gb')} GiB "
+             f"TTL {_ttl_name(d.get('ttl_s'))} {d.get('policy', 'lru')}, NVMe {n.get('capacity_gb')} GiB TTL "
+             f"{_ttl_name(n.get('ttl_s'))}). Hit rates are token-weighted over the full-block tokens looked up; "
+             "prefill saved is over all prompt tokens.", ""]
+    rows = []
+    for v, r in data["variants"].items():
+        w = data["workload"][v]
+        rows.append({"variant": v, "requests": r["requests"], "sessions": w["sessions"],
+                     "replays": f"{r['replay_requests']} ({_pct(r['replay_requests'] / max(1, r['requests']))})",
+                     "prompt_mtok": r["prompt_tokens"] / 1e6, "hours": r["duration_s"] / 3600,
+                     "hit": _pct(r["hit_rate"]), "dram": _pct(r["dram_hit_rate"]), "nvme": _pct(r["nvme_hit_rate"]),
+                     "replay": _pct(r["replay_hit_rate"]), "genuine": _pct(r["genuine_hit_rate"]),
+                     "saved": _pct(r["prefill_saved"]), "peak_dram": r["peak_gib"]["dram"],
+                     "peak_nvme": r["peak_gib"]["nvme"], "ok": all(r["checks"].values())})
+    lines.append(markdown_table(rows, ["variant", "requests", "sessions", "replays", "prompt_mtok", "hours", "hit",
+                                       "dram", "nvme", "replay", "genuine", "saved", "peak_dram", "peak_nvme", "ok"],
+                                ["variant", "requests", "sessions", "replayed prompts", "prompt Mtok", "hours",
+                                 "hit rate", "DRAM", "NVMe", "replay hits", "genuine hits", "prefill saved",
+                                 "peak DRAM GiB", "peak NVMe GiB", "checks"]))
+    lines += ["", "Misses by reason (share of looked-up tokens; 'diverged' = matched N stored blocks, then new "
+              "tokens: for append-only turns mostly the turn's new content):", ""]
+    mrows = []
+    for v, r in data["variants"].items():
+        ms = r["miss_share"]
+        mrows.append({"variant": v, **{k: _pct(ms[k]) for k in ("never_stored", "evicted", "expired", "diverged",
+                                                                  "corrupt")},
+                      "div_at": r["diverged_at_block_median"], "below": r["below_min_tokens"]})
+    lines.append(markdown_table(mrows, ["variant", "never_stored", "evicted", "expired", "diverged", "corrupt",
+                                        "div_at", "below"],
+                                ["variant", "never stored", "evicted (capacity)", "expired (TTL)", "diverged",
+                                 "corrupt", "diverged at block (median)", "tokens below one block"]))
+    if data["ttl_sweep"]:
+        lines += ["", f"TTL sweep ({data['ttl_sweep'][0]['variant']}): NVMe TTL with DRAM as configured, and DRAM "
+                  "TTL with no NVMe tier:", ""]
+        srows = [{**r, "ttl": _ttl_name(r["ttl_s"]), "hit": _pct(r["hit_rate"]), "dram": _pct(r["dram_hit_rate"]),
+                  "nvme": _pct(r["nvme_hit_rate"]), "saved": _pct(r["prefill_saved"]),
+                  "exp": _pct(r["expired_share"]), "ev": _pct(r["evicted_share"])} for r in data["ttl_sweep"]]
+        lines.append(markdown_table(srows, ["series", "ttl", "hit", "dram", "nvme", "saved", "exp", "ev",
+                                            "mean_dram_gib", "peak_dram_gib", "mean_nvme_gib", "peak_nvme_gib"],
+                                    ["series", "TTL", "hit rate", "DRAM", "NVMe", "prefill saved", "expired",
+                                     "evicted", "mean DRAM GiB", "peak DRAM GiB", "mean NVMe GiB",
+                                     "peak NVMe GiB"]))
+    return "\n".join(lines)
+
+
+def plot(data: dict, folder: str) -> list[str]:
+    figs = Figures(folder)
+    plt = figs.plt
+    vs = list(data["variants"])
+    fig, axes = plt.subplots(2, len(vs), figsize=(6 * len(vs), 7), squeeze=False, sharex="col")
+    for j, v in enumerate(vs):
+        w = data["variants"][v]["windows"]
+        x = [(q["t_start_s"] + q["t_end_s"]) / 2 / 3600 for q in w]
+        ax = axes[0][j]
+        ax.plot(x, [100 * q["hit_rate"] for q in w], "k-o", ms=3, label="total")
+        ax.plot(x, [100 * q["dram_hit_rate"] for q in w], "-", label="DRAM")
+        ax.plot(x, [100 * q["nvme_hit_rate"] for q in w], "-", label="NVMe")
+        ax.plot(x, [100 * q["replay_hit_rate"] for q in w], "--", label="replay hits")
+        ax.plot(x, [100 * q["genuine_hit_rate"] for q in w], ":", label="genuine hits")
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("token hit rate (%)")
+        ax.set_title(f"{v}: hit rate over time (overall {100 * data['variants'][v]['hit_rate']:.1f}%)")
+        ax.legend(fontsize=8)
+        ax = axes[1][j]
+        ax.plot(x, [q.get("dram_gib", 0) for q in w], label="DRAM")
+        ax.plot(x, [q.get("nvme_gib", 0) for q in w], label="NVMe")
+        ax.set_xlabel("virtual time (h)")
+        ax.set_ylabel("bytes held (GiB, model size)")
+        ax.legend(fontsize=8)
+    figs.save(fig, "agent_hit_rate.png")
+    if data["ttl_sweep"]:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        ax2 = ax.twinx()
+        big = 10 * max(r["ttl_s"] for r in data["ttl_sweep"] if r["ttl_s"] is not None) if any(
+            r["ttl_s"] is not None for r in data["ttl_sweep"]) else 1e6
+        for series, label, col in (("nvme_ttl", "NVMe TTL (DRAM as configured)", "C0"),
+                                   ("dram_only_ttl", "DRAM TTL, no NVMe tier", "C1")):
+            rows = [r for r in data["ttl_sweep"] if r["series"] == series]
+            if not rows:
+                continue
+            xs = [r["ttl_s"] if r["ttl_s"] is not None else big for r in rows]
+            ax.plot(xs, [100 * r["hit_rate"] for r in rows], "-o", color=col, label=f"hit rate: {label}")
+            key = "peak_nvme_gib" if series == "nvme_ttl" else "peak_dram_gib"
+            ax2.plot(xs, [r[key] for r in rows], "--", color=col, alpha=0.6,
+                     label=f"peak {'NVMe' if series == 'nvme_ttl' else 'DRAM'} GiB")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTL (s, log)")
+        ax.set_ylabel("token hit rate (%)")
+        lo = min(100 * r["hit_rate"] for r in data["ttl_sweep"])
+        ax.set_ylim(max(0.0, 10 * math.floor(lo / 10) - 10), 100)
+        ax2.set_ylabel("peak bytes held (GiB, model size)")
+        ax.set_title(f"Hit rate vs TTL ({data['ttl_sweep'][0]['variant']} workload)")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
+        figs.save(fig, "agent_ttl_sweep.png")
+    return figs.paths

@@ -1,0 +1,200 @@
+"""The tables and plots of ``kvstore bench e2e`` (bench/e2e.py): rows and goals from the raw
+timings, the markdown report, the PNG plots."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from bench.e2e_cases import GOALS, NR_WORKLOADS, REGIMES, _goal, _label
+from bench.e2e_two import _render_two_engines
+from bench.report import Figures, markdown_table
+
+
+def tables(a, lengths: list[int], ttft_runs: list, mt_runs: list, nr_configs: list, times: dict, cached: dict,
+           mt: dict, nr: dict, do_mt: bool) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """The TTFT, multi-turn and no-reuse rows (medians and ratios) and the goals they meet."""
+    goals: list[dict] = []
+    rows = []
+    for n in lengths:
+        base = statistics.median(times[("recompute", None, n)])
+        vp = statistics.median(times[("vllm_prefix", None, n)])
+        for case, design in ttft_runs:
+            t = statistics.median(times[(case, design, n)])
+            row = {"prompt_tokens": n, "case": case, "design": design or "", "ttft_ms": t * 1e3,
+                   "cached_tokens": cached[(case, design, n)], "vs_recompute": t / base, "vs_vllm_prefix": t / vp,
+                   "goal": None}
+            if case == "kvstore_dram":
+                row["goal"] = _goal("dram_hit", t / vp, f"{n} tokens", design)
+            elif case == "kvstore_nvme" and n >= GOALS["nvme_hit"]["min_tokens"]:
+                row["goal"] = _goal("nvme_hit", t / base, f"{n} tokens", design)
+            if row["goal"]:
+                goals.append(row["goal"])
+            rows.append(row)
+    mt_rows = []
+    for regime in REGIMES if do_mt else []:
+        base = mt[("recompute", None, regime)]
+        for case, design in mt_runs:
+            r = mt[(case, design, regime)]
+            x = r["throughput_tok_s"] / base["throughput_tok_s"]
+            goal = _goal("multi_turn", x, regime, design) if case == "kvstore" and regime == "hbm_pressure" else None
+            if goal:
+                goals.append(goal)
+            mt_rows.append({"regime": regime, "case": case, "design": design or "", "turns": a.mt_turns,
+                            "clients": a.mt_clients, "max_prompt_tokens": r["max_prompt_tokens"],
+                            "prompt_tokens": r["prompt_tokens"],
+                            "cached_share": r["cached_tokens"] / max(1, r["prompt_tokens"]),
+                            "mean_ttft_ms": r["mean_ttft_ms"], "p90_ttft_ms": r["p90_ttft_ms"], "wall_s": r["wall_s"],
+                            "throughput_tok_s": r["throughput_tok_s"], "x_recompute": x, "goal": goal,
+                            "per_turn": r["per_turn"]})
+    nr_rows = []
+    for wl in NR_WORKLOADS if nr_configs else []:
+        base = nr[(wl, "vllm", None)]
+        for case, design in nr_configs:
+            runs_ = nr[(wl, case, design)]
+            # paired: each round's ratio to vLLM's run of the same round, then the median
+            ratios = [r["throughput_tok_s"] / b["throughput_tok_s"] for r, b in zip(runs_, base)]
+            x = statistics.median(ratios)
+            goal = _goal("no_reuse", x, wl, design) if case == "kvstore" else None
+            if goal:
+                goals.append(goal)
+            first = runs_[0]
+            nr_rows.append({"workload": wl, "case": case, "design": design or "", "prompts": a.nr_prompts,
+                            "prompt_tokens": first["prompt_tokens"], "output_tokens": first["output_tokens"],
+                            "cached_tokens": max(r["cached_tokens"] for r in runs_),
+                            "wall_s": statistics.median(r["wall_s"] for r in runs_),
+                            "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in runs_),
+                            "x_vllm": x, "x_vllm_runs": ratios,
+                            "throughput_runs": [r["throughput_tok_s"] for r in runs_], "goal": goal})
+    return rows, mt_rows, nr_rows, goals
+
+
+def _goal_text(g: dict | None) -> str:
+    if not g:
+        return ""
+    return f"{g['op']} {g['limit']:g}: {'PASS' if g['pass'] else 'FAIL'}"
+
+
+def render(data: dict) -> str:
+    out = []
+    p = data["params"]
+    designs = p.get("designs") or []
+    if designs:
+        out.append("Designs: " + "; ".join(f"{d} = io.async_saves {v['async_saves']}, io.async_loads "
+                                           f"{v['async_loads']}" for d, v in data.get("designs", {}).items()) + "\n")
+    if data["results"]:
+        out.append("TTFT of one prompt (median; a 1-token generation). Goals: kvstore_dram x vLLM prefix hit "
+                   f"{GOALS['dram_hit']['op']} {GOALS['dram_hit']['limit']:g}; kvstore_nvme x recompute "
+                   f"{GOALS['nvme_hit']['op']} {GOALS['nvme_hit']['limit']:g} from "
+                   f"{GOALS['nvme_hit']['min_tokens']} tokens.\n")
+        rows = [{**r, "goal": _goal_text(r.get("goal"))} for r in data["results"]]
+        out.append(markdown_table(rows, ["prompt_tokens", "case", "design", "ttft_ms", "cached_tokens",
+                                         "vs_recompute", "vs_vllm_prefix", "goal"],
+                                  ["prompt tokens", "case", "design", "TTFT ms", "cached tokens", "x recompute",
+                                   "x vLLM prefix hit", "goal"]))
+    if data["multi_turn"]:
+        out.append(f"\nMulti-turn: {p['mt_clients']} clients x {p['mt_turns']} turns, shared {p['mt_system']}-token "
+                   f"system prompt, prompts growing to ~{p['mt_max_tokens']} tokens, {p['mt_output']} output tokens "
+                   "a turn. hbm_pressure = vLLM's prefix cache reset between turns. Throughput = (prompt + output "
+                   f"tokens) / wall time. Goal: kvstore under hbm_pressure x recompute {GOALS['multi_turn']['op']} "
+                   f"{GOALS['multi_turn']['limit']:g}.\n")
+        rows = [{**r, "cached": f"{100 * r['cached_share']:.1f}%", "goal": _goal_text(r.get("goal"))}
+                for r in data["multi_turn"]]
+        out.append(markdown_table(rows, ["regime", "case", "design", "max_prompt_tokens", "prompt_tokens", "cached",
+                                         "mean_ttft_ms", "p90_ttft_ms", "wall_s", "throughput_tok_s", "x_recompute",
+                                         "goal"],
+                                  ["regime", "case", "design", "last prompt tokens", "prompt tokens", "from cache",
+                                   "mean TTFT ms", "p90 TTFT ms", "wall s", "tokens/s", "x recompute", "goal"]))
+    if data.get("no_reuse"):
+        out.append(f"\nNo reuse: {p['nr_prompts']} distinct prompts as one batch; prefill_heavy "
+                   f"{p['nr_prefill_tokens']} tokens each, 1 output token; decode_heavy {p['nr_decode_prompt']} "
+                   f"tokens each, {p['nr_decode_output']} output tokens. {p['nr_repeats']} rounds, a fresh engine "
+                   "per configuration each round, the order rotated; medians; x vLLM = median of the rounds' "
+                   f"paired ratios. Goal: kvstore x vLLM {GOALS['no_reuse']['op']} {GOALS['no_reuse']['limit']:g}.\n")
+        rows = [{**r, "goal": _goal_text(r.get("goal")),
+                 "per_round": " / ".join(f"{x:.3f}" for x in r["x_vllm_runs"])} for r in data["no_reuse"]]
+        out.append(markdown_table(rows, ["workload", "case", "design", "prompt_tokens", "output_tokens",
+                                         "cached_tokens", "wall_s", "throughput_tok_s", "x_vllm", "per_round", "goal"],
+                                  ["workload", "case", "design", "prompt tokens", "output tokens", "cached tokens",
+                                   "wall s", "tokens/s", "x vLLM", "x vLLM per round", "goal"]))
+    info = data.get("two_engines_info")
+    if info:
+        out.append(_render_two_engines(data.get("two_engines") or [], info))
+    if data.get("goals"):
+        out.append("\nGoals (issue 13), per design:\n")
+        keys = list(dict.fromkeys((g["goal"], g["where"]) for g in data["goals"]))
+        by = {(g["goal"], g["where"], g["design"]): g for g in data["goals"]}
+        rows = []
+        for name, where in keys:
+            row = {"label": GOALS[name]["label"], "where": where,
+                   "limit": f"{GOALS[name]['op']} {GOALS[name]['limit']:g}"}
+            for d in designs:
+                g = by.get((name, where, d))
+                row[d] = "" if g is None else f"{g['value']:.3f} {'PASS' if g['pass'] else 'FAIL'}"
+            rows.append(row)
+        out.append(markdown_table(rows, ["label", "where", "limit"] + designs, ["goal", "where", "limit"] + designs))
+        met = [f"{d} {sum(g['pass'] for g in data['goals'] if g['design'] == d)}/"
+               f"{sum(1 for g in data['goals'] if g['design'] == d)}" for d in designs]
+        out.append("\nGoals met: " + ", ".join(met))
+    notes = [f"- {s['label']}: {'driven in this run' if s['available'] else 'not run: ' + s['why']}"
+             for s in data["peers"].values()]
+    out.append("\nPeers (device: " + p["device"] + "):\n" + "\n".join(notes))
+    if "wall_s" in p:
+        load = ""
+        if p.get("load_start") is not None:
+            load = (f"; 1-min load average {p['load_start']:.1f} at the start, {p['load_end']:.1f} at the end, "
+                    f"{p['cpus']} CPUs")
+            if max(p["load_start"], p["load_end"]) > p["cpus"] + 0.5:
+                load += ": other work was running on this machine, so every figure is skewed"
+        out.append(f"\n(bench e2e took {p['wall_s']:.0f} s{load})")
+    return "\n".join(out)
+
+
+def plot(data: dict, folder: str) -> list[str]:
+    figs = Figures(folder)
+    plt = figs.plt
+    rows = data["results"]
+    if rows:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in dict.fromkeys((r["case"], r.get("design", "")) for r in rows):
+            pts = [(r["prompt_tokens"], r["ttft_ms"]) for r in rows if (r["case"], r.get("design", "")) == key]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_label(*key))
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"TTFT: recompute vs. prefix hits (tiny model, {data['params']['device'].upper()})")
+        ax.legend()
+        figs.save(fig, "e2e_ttft.png")
+    if data["multi_turn"]:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        regimes = list(dict.fromkeys(r["regime"] for r in data["multi_turn"]))
+        cases = list(dict.fromkeys((r["case"], r.get("design", "")) for r in data["multi_turn"]))
+        x = np.arange(len(regimes))
+        w = 0.8 / max(1, len(cases))
+        for k, key in enumerate(cases):
+            by = {r["regime"]: r for r in data["multi_turn"] if (r["case"], r.get("design", "")) == key}
+            axes[0].bar(x + k * w, [by[g]["throughput_tok_s"] for g in regimes], w, label=_label(*key))
+            axes[1].bar(x + k * w, [by[g]["mean_ttft_ms"] for g in regimes], w, label=_label(*key))
+        for ax, yl in zip(axes, ("tokens/s (prompt + output)", "mean TTFT (ms)")):
+            ax.set_xticks(x + w * (len(cases) - 1) / 2, regimes)
+            ax.set_ylabel(yl)
+            ax.legend(fontsize=8)
+        axes[0].set_title("multi-turn throughput")
+        axes[1].set_title("multi-turn TTFT")
+        figs.save(fig, "e2e_multi_turn.png")
+    if data.get("no_reuse"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        wls = list(dict.fromkeys(r["workload"] for r in data["no_reuse"]))
+        cases = list(dict.fromkeys((r["case"], r["design"]) for r in data["no_reuse"]))
+        x = np.arange(len(wls))
+        w = 0.8 / max(1, len(cases))
+        for k, key in enumerate(cases):
+            by = {r["workload"]: r for r in data["no_reuse"] if (r["case"], r["design"]) == key}
+            ax.bar(x + k * w, [by[g]["x_vllm"] for g in wls], w, label=_label(*key))
+        ax.axhline(GOALS["no_reuse"]["limit"], color="k", linestyle="--", linewidth=1, label="goal")
+        ax.set_xticks(x + w * (len(cases) - 1) / 2, wls)
+        ax.set_ylabel("tokens/s / vLLM's (no connector)")
+        ax.set_title("no-reuse tax")
+        ax.legend(fontsize=8)
+        figs.save(fig, "e2e_no_reuse.png")
+    return figs.paths

@@ -1,0 +1,91 @@
+"""The table and plots of ``kvstore bench tiers`` (bench/tiers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.report import Figures, markdown_table
+from bench.tiers_remote import REMOTE_HEADER
+
+
+def render(data: dict) -> str:
+    L = data["limits"]
+    head = (f"Reference limits (one 2-buffer copy / dd-style file, whole run size): memcpy {L['memcpy_gbps']:.2f} GB/s; "
+            f"{'O_DIRECT' if L['o_direct'] else 'buffered+fsync'} sequential write {L['odirect_write_gbps']:.2f} GB/s, "
+            f"read {L['odirect_read_gbps']:.2f} GB/s. Each row's own limit (same bytes, measured beside it) is in "
+            f"its 'limit' columns; latency is per call of {data['params']['batch']} blocks.\n")
+    for what in data.get("kv_data", []):
+        head += f"Block contents: {what}.\n"
+    head += ("ratio = GB/s / limit. comp = raw bytes / bytes the tier holds for them (files at their real size); "
+             "cap x = blocks per GB vs codec none on the same tier.\n")
+    rows = [{**r, "mib": r["block_bytes"] / 2**20,
+             "ok": {True: "yes", False: "NO", None: "lossy, in bound"}[r["verified"]]
+             + ("" if r.get("get_returned_min") in (None, r.get("blocks")) else
+                f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in data["results"]]
+    cols = ["tier", "op", "codec", "block_tokens", "mib", "concurrency", "gbps", "limit", "limit_gbps", "ratio",
+            "comp_ratio", "capacity_gain", "p50_ms", "p99_ms", "ok"]
+    out = head + "\n" + markdown_table(rows, cols, ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s",
+                                                    "limit", "limit GB/s", "ratio", "comp", "cap x", "p50 ms",
+                                                    "p99 ms", "bytes ok"])
+    remote = [r for r in data["results"] if r["tier"] == "remote"]
+    if remote:
+        out += ("\n\nremote: limit = raw pipelined SET PX / GETEX PX of values of the store's size (block + "
+                f"{REMOTE_HEADER}-byte header, built before timing), same client type, server, batch and threads; "
+                "store put timed up to flush() (write-through done); store get with no local tier.")
+        via = sorted({r["put_via"] for r in remote if r["op"] == "put"} - {"no local tier"})
+        if via:
+            out += (f"\nremote put measured through {', '.join(via)}: a put into a store with no local tier stored "
+                    "nothing in Redis (the store writes Redis only as a write-through of a local tier).")
+    if data.get("skipped"):
+        seen = set()
+        notes = []
+        for s in data["skipped"]:
+            k = (s["tier"], s["codec"])
+            if k not in seen:
+                seen.add(k)
+                notes.append(f"- {s['tier']} codec {s['codec']}: not measured ({s['error']})")
+        out += "\n\nSkipped:\n" + "\n".join(notes)
+    return out
+
+
+def plot(data: dict, folder: str) -> list[str]:
+    figs = Figures(folder)
+    plt = figs.plt
+    tiers = [t for t in ("dram", "nvme", "remote") if any(r["tier"] == t for r in data["results"])]
+    if not tiers:
+        return figs.paths
+    fig, axes = plt.subplots(len(tiers), 1, figsize=(11, 3.6 * len(tiers)), squeeze=False)
+    for ax, tier in zip(axes[:, 0], tiers):
+        rows = [r for r in data["results"] if r["tier"] == tier]
+        labels = [f"{r['op']} {r['block_tokens']}t x{r['concurrency']}"
+                  + ("" if r["codec"] == "none" else f"\n{r['codec']}") for r in rows]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, label="kvstore GB/s")
+        ax.bar(x + 0.2, [r["limit_gbps"] for r in rows], 0.4, label="limit GB/s (same bytes, same run)")
+        for i, r in enumerate(rows):
+            ax.text(i, max(r["gbps"], r["limit_gbps"]), f"{r['ratio']:.0%}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{tier.upper()} tier vs. its limit (ratio above the bars)")
+        ax.legend(fontsize=8)
+    figs.save(fig, "tiers_gbps.png")
+    fig, axes = plt.subplots(1, len(tiers), figsize=(6 * len(tiers), 4), squeeze=False)
+    for ax, tier in zip(axes[0], tiers):
+        for op in ("put", "get"):
+            for c in sorted({r["concurrency"] for r in data["results"]}):
+                rows = sorted([r for r in data["results"] if r["tier"] == tier and r["op"] == op
+                               and r["concurrency"] == c and r["codec"] == "none"], key=lambda r: r["block_tokens"])
+                if not rows:
+                    continue
+                xs = [r["block_tokens"] for r in rows]
+                line, = ax.plot(xs, [r["p50_ms"] for r in rows], "-o", label=f"{op} x{c} p50")
+                ax.plot(xs, [r["p99_ms"] for r in rows], "--", color=line.get_color(), alpha=0.7,
+                        label=f"{op} x{c} p99")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per block")
+        ax.set_ylabel(f"ms per call ({data['params']['batch']} blocks)")
+        ax.set_title(f"{tier.upper()} latency")
+        ax.legend(fontsize=7)
+    figs.save(fig, "tiers_latency.png")
+    return figs.paths
