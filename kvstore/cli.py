@@ -9,14 +9,16 @@ import sys
 
 
 def _bench(argv: list[str]) -> int:
-    modes = {"tiers": "bench.tiers", "e2e": "bench.e2e", "agent": "bench.agent", "copy": "bench.copy_bench",
-             "faults": "bench.faults"}
-    if not argv or argv[0] not in modes:
-        print(f"usage: kvstore bench {{{','.join(modes)}}} [options]   (kvstore bench MODE --help)", file=sys.stderr)
-        return 2
-    import importlib
+    """The benchmarks register themselves (pyproject's ``kvstore.bench`` entry points): the
+    library never imports them by name, and another package can add a mode."""
+    from importlib.metadata import entry_points
 
-    mod = importlib.import_module(modes[argv[0]])
+    modes = {ep.name: ep for ep in entry_points(group="kvstore.bench")}
+    if not argv or argv[0] not in modes:
+        have = ",".join(sorted(modes)) or "none installed: pip install -e ."
+        print(f"usage: kvstore bench {{{have}}} [options]   (kvstore bench MODE --help)", file=sys.stderr)
+        return 2
+    mod = modes[argv[0]].load()
     p = argparse.ArgumentParser(prog=f"kvstore bench {argv[0]}", description=mod.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
