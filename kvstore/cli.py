@@ -54,7 +54,7 @@ def _inspect(argv: list[str]) -> int:
 
 
 def _stats(argv: list[str]) -> int:
-    from kvstore.stats import fetch, render
+    from kvstore.hitrate import fetch, render
 
     p = argparse.ArgumentParser(prog="kvstore stats", description="Hit rates, miss reasons and tier usage "
                                 "of a running store, read from its Prometheus endpoint.")

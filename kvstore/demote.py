@@ -69,7 +69,7 @@ class Demoter:
         """:func:`kvstore.placement.demote_action` for DRAM victim ``e`` (admitted: its asks)."""
         nv, adm = self.s.nvme, self.s._admission
         return placement.demote_action(e.last_access, now, has_lower=nv is not None,
-                                       lower_holds=nv is not None and nv.holds(e.key),
+                                       lower_holds=nv is not None and nv.present_or_writing(e.key),
                                        lower_ttl=nv.index.ttl if nv is not None else None,
                                        admitted=not adm.active or adm.admits(e.asks))
 

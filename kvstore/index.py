@@ -82,7 +82,8 @@ class TierIndex:
             return None
         return e
 
-    def pending(self, key: Hashable) -> Entry | None:
+    def writing_entry(self, key: Hashable) -> Entry | None:
+        """The entry of ``key`` while it is being written (WRITING), else None."""
         e = self.entries.get(key)
         return e if e is not None and e.state == WRITING else None
 

@@ -66,7 +66,7 @@ class StorePath:
             return [True] * len(keys)
         out, seen, away = [], set(), []
         for k in keys:
-            if k in seen or nv.holds(k):  # stored or being written: the reservation skips it
+            if k in seen or nv.present_or_writing(k):  # stored or being written: the reservation skips it
                 out.append(True)
                 continue
             seen.add(k)
@@ -194,7 +194,7 @@ class StorePath:
         if self.nvme is not None:
             # no DRAM slot (all held by demotions or pins): these blocks go straight to NVMe,
             # written here (put's own blocks, with nowhere else to keep them; never a demotion)
-            rest = [j for j, e in enumerate(h.entries) if e is None and not self.dram.holds(keys[j])]
+            rest = [j for j, e in enumerate(h.entries) if e is None and not self.dram.present_or_writing(keys[j])]
             if rest:
                 n += self._put_nvme([keys[j] for j in rest], [rows[j] for j in rest], ttl_s)
         return n
@@ -217,7 +217,7 @@ class StorePath:
         ttl_s = _check_ttl(ttl_s)
         if self.dram is not None:
             nv = self.nvme
-            want = [k for k in keys if placement.admit(nv is not None and nv.holds(k))]
+            want = [k for k in keys if placement.admit(nv is not None and nv.present_or_writing(k))]
             # a repeated key is reserved once (its later copies get None): keep that entry,
             # never overwrite it with a later None (it would stay WRITING and pinned forever)
             got = {k: e for k, e in zip(want, self._reserve_dram(want, stored=True, ttl=ttl_s))

@@ -130,7 +130,7 @@ def test_report_shares_sessions_time_order_and_bounded_examples():
 
 
 def test_trace_lines_round_trip_and_old_lines_still_parse(tmp_path):
-    from kvstore.tune.traces import load_trace
+    from kvstore.tune.trace_memory import load_trace
 
     r = rec("s", 1.5, SYS + toks(3, 50), hit=4, local=0, reason="evicted", keep_tokens=True)
     r = TraceRecord(**{**{k: getattr(r, k) for k in r.__slots__}, "replay": True})
@@ -195,7 +195,7 @@ def test_each_cache_busting_pattern_through_the_connector(tiny_model, tmp_path):
     genuine exactly."""
     from test_vllm_connector import Engine, prompt
 
-    from kvstore import stats
+    from kvstore import hitrate as stats
 
     trace = tmp_path / "trace.jsonl"
     block = 128 * 1024  # 4 layers x K,V x 2 heads x 64 x 32 tokens x fp32

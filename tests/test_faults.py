@@ -27,7 +27,7 @@ from bench import faults as F
 from kvstore import fileformat as ff
 from kvstore.config import ConfigError, from_dict
 from kvstore.trace import TraceError, parse_line
-from kvstore.tune.traces import load_trace
+from kvstore.tune.trace_memory import load_trace
 
 from conftest import BLOCK, FP, ROOT, block_for, blocks_for, check_store, make_keys, nvme_files, one_key
 

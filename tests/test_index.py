@@ -25,12 +25,12 @@ def test_reserve_commit_abort():
     ix = idx()
     e, ev = ix.reserve("a", 10, 0.0)
     assert ev == [] and e.state == WRITING and e.pins == 1
-    assert "a" not in ix and ix.lookup("a", 0.0) is None and ix.pending("a") is e
+    assert "a" not in ix and ix.lookup("a", 0.0) is None and ix.writing_entry("a") is e
     assert ix.used == 10 and len(ix) == 1 and len(ix.policy) == 0
     ix.check()
     ix.commit(e, 1.0)
     assert e.state == READY and e.pins == 0 and "a" in ix and ix.lookup("a", 1.0) is e
-    assert ix.pending("a") is None and e.last_access == 1.0 and e.expire_at == math.inf
+    assert ix.writing_entry("a") is None and e.last_access == 1.0 and e.expire_at == math.inf
     e2, _ = ix.reserve("b", 10, 1.0)
     ix.abort(e2)
     assert "b" not in ix.entries and ix.used == 10
@@ -159,7 +159,7 @@ def test_writing_entries_never_expire_or_evict():
         assert "w" not in [x.key for x in ev]
         if e is not None:
             ix.commit(e, 100.0 + i)
-    assert ix.pending("w") is w
+    assert ix.writing_entry("w") is w
     ix.commit(w, 200.0)
     assert ix.lookup("w", 200.0) is w and ix.lookup("w", 201.0) is None
     ix.check()

@@ -199,7 +199,7 @@ def test_two_phase_visibility(make_tier):
     assert e is not None
     assert not t.contains(k) and t.acquire([k]) == [None]  # WRITING: invisible
     assert t.reserve([k]) == [None]  # and cannot be reserved twice
-    assert t.holds(k)
+    assert t.present_or_writing(k)
     assert t.write(e, B(k))
     assert not t.contains(k)  # written, not yet committed
     t.commit([e], [True])
@@ -211,7 +211,7 @@ def test_abort_leaves_nothing(make_tier):
     k = K(0)
     (e,) = t.reserve([k])
     t.commit([e], [False])  # nothing written
-    assert not t.contains(k) and not t.holds(k) and len(t) == 0 and t.used_bytes == 0
+    assert not t.contains(k) and not t.present_or_writing(k) and len(t) == 0 and t.used_bytes == 0
     if make_tier.kind != "dram":
         assert nvme_files(t) == []
 

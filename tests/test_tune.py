@@ -17,7 +17,7 @@ from kvstore.trace import TraceError
 from kvstore.tune import Simulator, from_records, load_trace, synth_records
 from kvstore.tune import grid as G
 from kvstore.tune.cli import main as tune_main
-from kvstore.tune.traces import write_records
+from kvstore.tune.trace_memory import write_records
 from kvstore.tune.tuner import choose, tune
 from kvstore.tune.verify import replay_store
 

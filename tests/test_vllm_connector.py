@@ -153,7 +153,7 @@ def test_counters_are_exact_through_the_connector(tiny_model, tmp_path):
     every counter is checked exactly, and ``kvstore stats`` reads the same numbers over HTTP.
     Block 32; a 200-token prompt has 6 full blocks that may be offered (192 tokens; the 7th
     block holds the last token) and 8 tokens after them."""
-    from kvstore import stats
+    from kvstore import hitrate as stats
 
     store = str(tmp_path / "s")
     a = prompt(200, 31)

@@ -80,7 +80,7 @@ def bad_input(folder, *, advance: Callable[[], None] | None = None) -> dict:
     from kvstore.store import KVStore
     from kvstore.trace import TraceError, parse_line
     from kvstore.tune.cli import main as tune_main
-    from kvstore.tune.traces import load_trace
+    from kvstore.tune.trace_memory import load_trace
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)

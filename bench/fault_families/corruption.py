@@ -225,7 +225,7 @@ def _case(res: dict, s, name: str, k: bytes, damage, *, phase: str, scan_counted
     else:
         res["corrupt_reads_served"] += 1  # a damaged file was served at all (wrong bytes or not)
         res["corrupt_examples"].append(f"{phase} {name}: served ({wrong} wrong)")
-    if counted == 0 and not (phase == "scan" and not s.nvme.holds(k) and scan_counted > 0):
+    if counted == 0 and not (phase == "scan" and not s.nvme.present_or_writing(k) and scan_counted > 0):
         res["corrupt_uncounted_cases"].append(f"{phase}:{name}")
 
 

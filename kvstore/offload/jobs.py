@@ -149,7 +149,8 @@ class CopyJobs:
             self._loaded, self._load_errors = set(), set()
         return done, bad
 
-    def pending(self) -> dict:
+    def in_flight(self) -> dict:
+        """Counts of what is queued or running (for logs and tests)."""
         with self._cond:
             return {"saving": dict(self._saving), "stored": len(self._stored), "loading": self._loading}
 

@@ -115,7 +115,7 @@ class OffloadMetrics:
                 self.unsupplied_tokens.labels(why).inc(n)
 
     def summary(self) -> dict:
-        """The engine view of :func:`kvstore.stats.summarize` (logged by the connector at shutdown)."""
-        from kvstore.stats import summarize, values
+        """The engine view of :func:`kvstore.hitrate.summarize` (logged by the connector at shutdown)."""
+        from kvstore.hitrate import summarize, values
 
         return summarize(values(self.registry))["engine"]

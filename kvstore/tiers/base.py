@@ -187,10 +187,10 @@ class Tier(ABC):
                     self.index.extend(e, ttl)
                 self.index.touch(e, now, session)
 
-    def holds(self, key: bytes) -> bool:
+    def present_or_writing(self, key: bytes) -> bool:
         """READY and unexpired, or being written (WRITING)."""
         with self.lock:
-            return self.index.lookup(key, self.clock()) is not None or self.index.pending(key) is not None
+            return self.index.lookup(key, self.clock()) is not None or self.index.writing_entry(key) is not None
 
     def is_expired(self, key: bytes) -> bool:
         """Still in the index, but past its TTL (not yet swept)."""

@@ -3,6 +3,6 @@
 (``tiers.nvme.admit_after``), and recommend a config. See the README's "TTL tuning" section."""
 
 from kvstore.tune.simulate import Simulator, simulate
-from kvstore.tune.traces import Trace, from_records, load_trace, synth_records
+from kvstore.tune.trace_memory import Trace, from_records, load_trace, synth_records
 
 __all__ = ["Simulator", "simulate", "Trace", "from_records", "load_trace", "synth_records"]

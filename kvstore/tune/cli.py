@@ -24,7 +24,7 @@ from kvstore.tune import grid as G
 from kvstore.tune import report as R
 from kvstore.tune.recommend import CostModel, objective
 from kvstore.tune.tuner import tune
-from kvstore.tune.traces import load_trace
+from kvstore.tune.trace_memory import load_trace
 
 BYTES_PER_TOKEN = 128 << 10  # default KV bytes per token: an 8B GQA model in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 B)
 

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 from kvstore.config import GiB
 from kvstore.tune.simulate import Simulator, per_hour
-from kvstore.tune.traces import Trace
+from kvstore.tune.trace_memory import Trace
 
 DEFAULT_DRAM_TTLS: tuple[float | None, ...] = (30, 60, 120, 300, 600, 1800, 3600, None)
 DEFAULT_NVME_TTLS: tuple[float | None, ...] = (600, 1800, 3600, 4 * 3600, 12 * 3600, 86400, None)

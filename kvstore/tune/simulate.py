@@ -250,7 +250,7 @@ class Simulator(SimTiers):
         if N is not None:
             nget = N.entries.get
             want = []
-            for k in keys:  # placement.admit(not N.holds(k))
+            for k in keys:  # placement.admit(not N.present_or_writing(k))
                 e = nget(k)
                 if e is None:
                     want.append(k)

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from kvstore.tune import grid as G
 from kvstore.tune.recommend import CostModel, analyse, pick, ranked, setting
-from kvstore.tune.traces import Trace
+from kvstore.tune.trace_memory import Trace
 
 WORK_LIMIT = 100_000_000  # block visits a search may do before it screens on a sample
 CONFIRM_LIMIT = 30_000_000  # block visits of one confirming replay before it is sampled too

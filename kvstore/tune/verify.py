@@ -19,7 +19,7 @@ from concurrent.futures import Executor, Future
 import numpy as np
 
 from kvstore.config import StoreConfig
-from kvstore.tune.traces import Trace
+from kvstore.tune.trace_memory import Trace
 
 
 class _Deferred(Future):
