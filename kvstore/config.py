@@ -6,7 +6,7 @@ Schema (public; the tuner writes it, the connector reads it)::
       dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory, headroom_blocks}
       nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header, admit_after}
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
-    io: {async_saves, async_loads}
+    io: {async_saves, async_loads, load_only_if_faster}
     metrics: {port}
     trace_path: null
     trace_tokens: false
@@ -232,6 +232,10 @@ class IoConfig:
 
     async_saves: bool = _f(True, _choice, choices=BOOL)
     async_loads: bool = _f(True, _choice, choices=BOOL)
+    # cut a hit where loading is slower than recomputing (placement.worth_loading; reason
+    # slower_than_recompute). Off by default: the prefill estimate is per token, from recent
+    # steps, and misses attention's growth with context, so it undervalues long prompts' hits
+    load_only_if_faster: bool = _f(False, _choice, choices=BOOL)
 
 
 @dataclass(frozen=True)

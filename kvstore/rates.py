@@ -42,9 +42,10 @@ class Rate:
 class Rates:
     """Per-tier read throughput (bytes/s) and the engine's prefill throughput (tokens/s)."""
 
-    def __init__(self, alpha: float = 0.2):
+    def __init__(self, alpha: float = 0.2, use: bool = True):
         self._lock = threading.Lock()
         self._alpha = alpha
+        self.use = use  # io.load_only_if_faster: off, the estimates are kept but never offered
         self.read: dict[str, Rate] = {}
         self.prefill = Rate(alpha)
 
@@ -57,7 +58,10 @@ class Rates:
             self.prefill.observe(tokens, seconds)
 
     def seconds_per_block(self, block_bytes: int, block_tokens: int) -> tuple[dict[str, float], float | None]:
-        """(load seconds per block by tier, for the tiers measured; recompute seconds per block)."""
+        """(load seconds per block by tier, for the tiers measured; recompute seconds per block);
+        nothing while not in ``use`` (every hit is loaded)."""
+        if not self.use:
+            return {}, None
         with self._lock:
             load = {t: block_bytes / r.value for t, r in self.read.items() if r.samples >= MIN_SAMPLES}
             pf = self.prefill.value if self.prefill.samples >= MIN_SAMPLES else None

@@ -85,7 +85,7 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
         if ncfg.enabled and ncfg.codec != "none":
             self.nvme_codec = make_codec(ncfg.codec, self.geometry, ncfg.zstd_level)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
-        self.rates = Rates()  # tier reads (measured here) and the engine's prefill (observe_prefill)
+        self.rates = Rates(use=self.config.io.load_only_if_faster)  # tier reads (measured here), the engine's prefill
         self.metrics.info.labels(fingerprint.model if isinstance(fingerprint, ModelFingerprint) else "",
                                  self.root.hex(), self.namespace.hex()).set(1)
         self._tmpdir: str | None = None

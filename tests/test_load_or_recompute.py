@@ -1,10 +1,12 @@
-"""Never slower than recompute (issue 17 item 1): the lookup keeps only the prefix that is faster
-to load than to recompute, from moving estimates of each tier's measured read throughput and of
+"""Never slower than recompute (issue 17 item 1; ``io.load_only_if_faster: true``): the lookup
+keeps only the prefix that is faster to load than to recompute, from moving estimates of each tier's measured read throughput and of
 the engine's prefill throughput; the rest is a miss with reason ``slower_than_recompute``.
 The decision's scenarios, the time-weighted estimate, and a real NVMe tier throttled on purpose
 (the ``nvme.read=slow`` failpoint: each file read takes 20 ms longer) inside a real store."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -46,8 +48,9 @@ def test_rate_is_time_weighted_and_moves():
     assert r.value == pytest.approx(100_000, rel=1e-3)
 
 
-def _nvme_only(tmp_path) -> KVStore:
+def _nvme_only(tmp_path, on: bool = True) -> KVStore:
     cfg = tiny_config(tmp_path / "nvme", dram_blocks=0, nvme_blocks=64, io_threads=2)
+    cfg = dataclasses.replace(cfg, io=dataclasses.replace(cfg.io, load_only_if_faster=on))
     return KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=FP.block_size)
 
 
@@ -102,3 +105,26 @@ def test_without_estimates_nothing_changes(tmp_path):
     finally:
         failpoints.clear()
         s.close()
+
+
+def test_off_by_default_every_hit_is_loaded(tmp_path):
+    """io.load_only_if_faster: false (the default): a throttled tier is still loaded."""
+    from kvstore.config import StoreConfig
+
+    assert StoreConfig().io.load_only_if_faster is False
+    s = _nvme_only(tmp_path, on=False)
+    try:
+        keys = make_keys(4, seed=73)
+        s.put(keys, blocks_for(keys))
+        for _ in range(3):
+            s.rates.observe_prefill(16_000, 1.0)
+        failpoints.SLOW_S = 0.02
+        failpoints.arm("nvme.read=slow")
+        out = np.zeros((4, BLOCK), np.uint8)
+        for _ in range(4):
+            assert s.get(keys, out) == 4
+        assert s.contains_prefix(keys).num_blocks == 4
+    finally:
+        failpoints.clear()
+        s.close()
+
