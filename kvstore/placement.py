@@ -49,7 +49,7 @@ the live store learns a session only at a load, and there the connector names th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Mapping, Sequence, TypeVar
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -163,23 +163,25 @@ class Admission:
             w.popitem(last=False)
 
 
-def worth_loading(tiers: Sequence[str], load_s: Mapping[str, float], recompute_s: float | None,
-                  held: int = 0) -> int:
+def worth_loading(tiers: Sequence[str], load_s: Mapping[str, float],
+                  recompute_s: float | Callable[[int], float] | None, held: int = 0) -> int:
     """How many of the found blocks (their tiers, in prefix order) to load: the prefix that
-    saves the most time, a block saving ``recompute_s`` (the engine's time to compute it)
-    minus ``load_s[tier]`` (a tier not measured costs nothing: DRAM, or no sample yet). The
-    first ``held`` blocks the engine holds itself: never read, so free. Among prefixes that
-    save the same, the longest. Without a recompute estimate: all of them.
+    saves the most time, block ``i`` saving ``recompute_s(i)`` (the engine's time to compute it
+    there: a block late in a long prompt costs more, its attention reads the whole prefix; a
+    number: the same for every block) minus ``load_s[tier]`` (a tier not measured costs
+    nothing: DRAM, or no sample yet). The first ``held`` blocks the engine holds itself: never
+    read, so free. Among prefixes that save the same, the longest. Without a recompute
+    estimate: all of them.
 
-    The costs are per block and additive: reads of one request run in parallel on the I/O
-    pool, which the per-tier throughput (measured on such batches) already reflects; the
-    recompute estimate is the engine's recent prefill tokens/s, so a long prompt's quadratic
-    attention makes recomputing dearer than estimated: the cut errs toward loading."""
-    if not recompute_s or not any(t in load_s for t in tiers[held:]):
+    The costs are additive: reads of one request run in parallel on the I/O pool, which the
+    per-tier throughput (measured on such batches) already reflects; the step's fixed cost is
+    paid either way (the engine computes at least the prompt's last token)."""
+    if recompute_s is None or not any(t in load_s for t in tiers[held:]):
         return len(tiers)
+    cost = recompute_s if callable(recompute_s) else (lambda i: recompute_s)
     best_k, best, saved = len(tiers[:held]), 0.0, 0.0
     for i in range(held, len(tiers)):
-        saved += recompute_s - load_s.get(tiers[i], 0.0)
+        saved += cost(i) - load_s.get(tiers[i], 0.0)
         if saved >= best:
             best_k, best = i + 1, saved
     return best_k

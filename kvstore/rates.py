@@ -1,7 +1,8 @@
 """Moving estimates of how fast things go, for the lookup's "load or recompute?" decision
 (:func:`kvstore.placement.worth_loading`): each tier's read throughput, measured on the store's
-own reads, and the engine's prefill throughput, measured by the connector around the forward
-pass. Pure: the caller passes the amounts and the seconds it measured.
+own reads, and the engine's cost of computing prompt tokens (:class:`kvstore.stepcost.StepCost`,
+fitted over the forward passes the connector timed). Pure: the caller passes the amounts and the
+seconds it measured.
 
 An estimate is time-weighted: the moving sums of amount and of seconds are kept apart and
 divided, so one tiny read (a few blocks, dominated by a fixed cost) weighs what it took, not
@@ -14,6 +15,9 @@ machine cannot turn hits away.
 from __future__ import annotations
 
 import threading
+from typing import Callable
+
+from kvstore.stepcost import StepCost
 
 MIN_SAMPLES = 3
 
@@ -40,29 +44,33 @@ class Rate:
 
 
 class Rates:
-    """Per-tier read throughput (bytes/s) and the engine's prefill throughput (tokens/s)."""
+    """Per-tier read throughput (bytes/s) and the engine's step cost."""
 
     def __init__(self, alpha: float = 0.2, use: bool = True):
         self._lock = threading.Lock()
         self._alpha = alpha
         self.use = use  # io.load_only_if_faster: off, the estimates are kept but never offered
         self.read: dict[str, Rate] = {}
-        self.prefill = Rate(alpha)
+        self.prefill = StepCost()
 
     def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.read.setdefault(tier, Rate(self._alpha)).observe(nbytes, seconds)
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
+    def observe_prefill(self, tokens: int, seconds: float, pairs: int = 0) -> None:
+        """A timed forward pass: its scheduled ``tokens`` and their attention ``pairs``."""
         with self._lock:
-            self.prefill.observe(tokens, seconds)
+            self.prefill.observe(tokens, pairs, seconds)
 
-    def seconds_per_block(self, block_bytes: int, block_tokens: int) -> tuple[dict[str, float], float | None]:
-        """(load seconds per block by tier, for the tiers measured; recompute seconds per block);
-        nothing while not in ``use`` (every hit is loaded)."""
+    def seconds_per_block(self, block_bytes: int, block_tokens: int
+                          ) -> tuple[dict[str, float], Callable[[int], float] | None]:
+        """(load seconds per block by tier, for the tiers measured; the seconds to recompute the
+        block at a given index of the prompt); nothing while not in ``use`` (every hit is loaded)."""
         if not self.use:
             return {}, None
         with self._lock:
             load = {t: block_bytes / r.value for t, r in self.read.items() if r.samples >= MIN_SAMPLES}
-            pf = self.prefill.value if self.prefill.samples >= MIN_SAMPLES else None
-        return load, (block_tokens / pf if pf else None)
+            fit = self.prefill.fit() if self.prefill.samples >= MIN_SAMPLES else None
+        if fit is None or (fit.a <= 0 and fit.b <= 0):
+            return load, None
+        return load, lambda i: fit.seconds(i * block_tokens, block_tokens)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -62,15 +63,27 @@ def test_parse(params, want, logged, hint_log):
 
 def test_prefill_rate_counts_prefill_steps_only():
     seen = []
-    r = PrefillRate(lambda t, s: seen.append((t, s)), min_tokens=128)
-    r.start(prefill_tokens=512, total_tokens=520)
+    r = PrefillRate(lambda t, s, p: seen.append((t, s, p)), min_tokens=128)
+    r.start(prefill_tokens=512, total_tokens=520, pairs=70_000)
     r.stop()
     r.start(prefill_tokens=64, total_tokens=64)  # too few to measure a rate
     r.stop()
     r.start(prefill_tokens=300, total_tokens=600)  # half decode
     r.stop()
     r.stop()  # no start: nothing
-    assert len(seen) == 1 and seen[0][0] == 512 and seen[0][1] > 0
+    assert len(seen) == 1 and seen[0][0] == 520 and seen[0][1] > 0 and seen[0][2] == 70_000
+
+
+def test_prefill_rate_leaves_out_synchronous_loads():
+    """vLLM binds the metadata, runs a step's synchronous loads (start_load_kv), then the forward
+    pass: the clock restarts after the loads."""
+    seen = []
+    r = PrefillRate(lambda t, s, p: seen.append(s), min_tokens=128)
+    r.start(prefill_tokens=512, total_tokens=512)
+    time.sleep(0.2)  # the loads
+    r.loaded()
+    r.stop()
+    assert len(seen) == 1 and seen[0] < 0.2
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +114,9 @@ def test_hints_through_the_engine(tiny_model, tmp_path, hint_log):
     ref = reference(tiny_model, [once, kept, bad], max_tokens=8)
     with Engine(tiny_model, str(tmp_path / "s"), dram_gb=0.2) as e:
         store = e.shared.store
+        t0 = time.perf_counter()
         out, cached = _generate(e, [once], [{"kvstore": {"store": False}}])
+        cold_s = time.perf_counter() - t0
         assert out == ref[:1] and cached == [0] and len(store.dram) == 0  # nothing stored
         out, cached = _generate(e, [kept], [{"kvstore": {"ttl_s": 7200}}])
         assert out == ref[1:2] and _ttls(store) == [7200.0] * 9  # its 9 full blocks, with the hint
@@ -111,4 +126,5 @@ def test_hints_through_the_engine(tiny_model, tmp_path, hint_log):
         # the one-off prompt again: still not stored, so not a hit; the others are
         out, cached = _generate(e, [once, kept, bad], [{"kvstore": {"store": False}}, None, None])
         assert out == ref and cached == [0, 288, 288]
-        assert store.rates.prefill.value is not None and store.rates.prefill.value > 0  # timed prefills
+        fit = store.rates.prefill.fit()  # timed forward passes, each its real length
+        assert fit is not None and fit.seconds(0, 300) >= 0.05 * cold_s, (fit, cold_s)

@@ -1,6 +1,7 @@
-"""Never slower than recompute (issue 17 item 1; ``io.load_only_if_faster: true``): the lookup
-keeps only the prefix that is faster to load than to recompute, from moving estimates of each tier's measured read throughput and of
-the engine's prefill throughput; the rest is a miss with reason ``slower_than_recompute``.
+"""Never slower than recompute (issue 17 item 1; ``io.load_only_if_faster``, on by default): the
+lookup keeps only the prefix that is faster to load than to recompute, from moving estimates of
+each tier's measured read throughput and of the engine's step cost (fitted over timed forward
+passes, :mod:`kvstore.stepcost`); the rest is a miss with reason ``slower_than_recompute``.
 The decision's scenarios, the time-weighted estimate, and a real NVMe tier throttled on purpose
 (the ``nvme.read=slow`` failpoint: each file read takes 20 ms longer) inside a real store."""
 
@@ -13,6 +14,7 @@ import pytest
 
 from kvstore import failpoints, placement
 from kvstore.rates import Rate
+from kvstore.stepcost import Fit, StepCost, pairs
 from kvstore.store import KVStore
 
 from conftest import BLOCK, FP, blocks_for, make_keys, tiny_config
@@ -33,6 +35,59 @@ from conftest import BLOCK, FP, blocks_for, make_keys, tiny_config
 ])
 def test_worth_loading_scenarios(tiers, load_s, recompute_s, held, want):
     assert placement.worth_loading(tiers, load_s, recompute_s, held) == want
+
+
+def test_a_late_block_costs_more_to_recompute_than_an_early_one():
+    """A slow tier (2 ms a block): the blocks of a short prompt are cheaper to recompute, those
+    of a long one are not (attention reads the whole prefix), and the cut keeps the prefix that
+    saves the most in all."""
+    fit = Fit(c=0.005, a=20e-6, b=4e-8)  # 16-token blocks: 0.33 ms at the head, 2.9 ms at 4k tokens
+    block = lambda i: fit.seconds(i * 16, 16)
+    assert block(0) < 0.002 < block(255)
+    assert placement.worth_loading(["nvme"] * 8, {"nvme": 0.002}, block) == 0
+    assert placement.worth_loading(["nvme"] * 512, {"nvme": 0.002}, block) == 512
+    # a per-token rate over the same steps would have recomputed the long prompt's hit too
+    assert placement.worth_loading(["nvme"] * 512, {"nvme": 0.002}, block(0)) == 0
+    assert fit.seconds(0, 32) == pytest.approx(block(0) + block(1))  # additive over blocks
+
+
+def _steps(c, a, b, shapes):
+    return [(n, pairs(p, n), c + a * n + b * pairs(p, n)) for n, p in shapes]
+
+
+def test_step_cost_recovers_its_coefficients():
+    shapes = [(n, p) for n in (128, 512, 2048) for p in (0, 1024, 6000)]
+    sc = StepCost()
+    assert sc.fit() is None
+    for n, pr, t in _steps(0.004, 30e-6, 5e-9, shapes):
+        sc.observe(n, pr, t)
+    f = sc.fit()
+    assert (f.c, f.a, f.b) == (pytest.approx(0.004, rel=1e-3), pytest.approx(30e-6, rel=1e-3),
+                               pytest.approx(5e-9, rel=1e-3))
+    assert f.seconds(4096, 16) == pytest.approx(30e-6 * 16 + 5e-9 * (16 * 4096 + 136))
+
+
+def test_step_cost_charges_alike_steps_per_token_and_never_goes_negative():
+    sc = StepCost()
+    for _ in range(5):  # steps that all look alike: fixed and per-token costs cannot be told apart
+        sc.observe(16_000, 0, 1.0)
+    assert sc.fit() == Fit(0.0, pytest.approx(1 / 16_000), 0.0)  # charged per token: hits stay worth loading
+    sc = StepCost()
+    for n, pr, t in [(1000, 10**6, 0.5), (1000, 10**7, 0.3), (1000, 5 * 10**6, 0.4), (2000, 10**6, 0.9)]:
+        sc.observe(n, pr, t)  # more attention, less time: noise, not a negative cost
+    f = sc.fit()
+    assert f.a >= 0 and f.b >= 0 and f.c >= 0 and f.seconds(0, 1000) > 0
+
+
+def test_step_cost_follows_a_slower_machine():
+    sc = StepCost()
+    shapes = [(n, p) for n in (256, 1024) for p in (0, 2048)] * 10
+    for n, pr, t in _steps(0.0, 20e-6, 2e-9, shapes):
+        sc.observe(n, pr, t)
+    for n, pr, t in _steps(0.0, 40e-6, 4e-9, shapes * 3):  # twice as slow from now on
+        sc.observe(n, pr, t)
+    # 120 steps later the old machine weighs 0.95 ** 120 = 0.2 %
+    assert sc.fit().seconds(0, 1000) == pytest.approx(2 * (20e-6 * 1000 + 2e-9 * pairs(0, 1000)), rel=0.01)
 
 
 def test_rate_is_time_weighted_and_moves():
@@ -71,7 +126,7 @@ def test_a_throttled_tier_is_recomputed_then_loaded_again_once_fast(tmp_path):
         for _ in range(12):  # the estimate follows the throttled disk
             assert s.get(keys, out) == 8 and np.array_equal(out, blocks_for(keys))
         load_s, recompute_s = s.rates.seconds_per_block(BLOCK, FP.block_size)
-        assert load_s["nvme"] > 3 * recompute_s  # 20 ms a read, 2 readers: ~10 ms a block vs 1 ms
+        assert load_s["nvme"] > 3 * recompute_s(0)  # 20 ms a read, 2 readers: ~10 ms a block vs 1 ms
         m = s.contains_prefix(keys)
         assert m.num_blocks == 0 and m.miss_reason == "slower_than_recompute"
         assert s.metrics.value("kvstore_lookup_miss_blocks_total", reason="slower_than_recompute") == 8
@@ -107,11 +162,11 @@ def test_without_estimates_nothing_changes(tmp_path):
         s.close()
 
 
-def test_off_by_default_every_hit_is_loaded(tmp_path):
-    """io.load_only_if_faster: false (the default): a throttled tier is still loaded."""
+def test_off_every_hit_is_loaded(tmp_path):
+    """io.load_only_if_faster: false: a throttled tier is still loaded."""
     from kvstore.config import StoreConfig
 
-    assert StoreConfig().io.load_only_if_faster is False
+    assert StoreConfig().io.load_only_if_faster is True  # the default
     s = _nvme_only(tmp_path, on=False)
     try:
         keys = make_keys(4, seed=73)

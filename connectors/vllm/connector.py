@@ -215,12 +215,18 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    device=self.mover.copier.device, device_index=self.mover.copier.device_index)
         log.info("kvstore: KV layout %s", layout.describe())
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.prefill is not None and isinstance(connector_metadata, KVStoreMetadata):
+            plan = connector_metadata.plan  # the forward pass follows: time it if it is mostly prefill
+            self.prefill.start(plan.prefill_tokens, plan.tokens, plan.pairs)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self.mover is not None and isinstance(meta, KVStoreMetadata):
             self.mover.load(meta.plan)
-            if self.prefill is not None:  # the forward pass starts: time it if it is mostly prefill
-                self.prefill.start(meta.plan.prefill_tokens, meta.plan.tokens)
+            if self.prefill is not None and meta.plan.loads:  # synchronous loads: before the forward pass
+                self.prefill.loaded()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before any layer runs

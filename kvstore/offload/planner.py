@@ -49,6 +49,7 @@ from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.client import StoreClient
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.replay import GENUINE, REPLAY, ReplayMemory, prompt_digest
+from kvstore.stepcost import pairs
 from kvstore.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class StepPlan:
     idle: bool = False  # the engine scheduled no tokens in this step (it only waits for loads)
     prefill_tokens: int = 0  # of this step's scheduled tokens, those of prompts (for PrefillRate)
     tokens: int = 0  # all its scheduled tokens
+    pairs: int = 0  # their attention (query, context) pairs (kvstore.stepcost.pairs)
 
 
 @dataclass
@@ -337,6 +339,7 @@ class Planner:
 
     def _plan_req(self, plan: StepPlan, st: RequestState, computed: int, scheduled: int) -> None:
         plan.tokens += scheduled
+        plan.pairs += pairs(computed, scheduled)
         plan.prefill_tokens += max(0, min(scheduled, st.num_prompt_tokens - computed))
         if st.load is not None:
             hid, first, n, tiers = st.load
