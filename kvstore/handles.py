@@ -86,7 +86,7 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return [bytes(k) for k in keys]
 
 
-def _check_ttl(ttl_s) -> float | None:
+def check_ttl(ttl_s) -> float | None:
     """A retention hint: a positive finite number of seconds, or None (the config's TTL)."""
     if ttl_s is None:
         return None

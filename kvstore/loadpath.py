@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore import failpoints, placement
-from kvstore.handles import LoadHandle, _check_keys, _check_ttl, _rows
+from kvstore.handles import LoadHandle, _check_keys, check_ttl, _rows
 from kvstore.index import Entry
 
 
@@ -53,7 +53,7 @@ class LoadPath:
         by :meth:`read_load` (the worker side), where a failed read is the worker's to report.
         ``ttl_s``: the request's retention hint; the blocks it hits keep at least that idle TTL."""
         self._check_open()
-        return self._pin(_check_keys(keys), session, ttl=_check_ttl(ttl_s))
+        return self._pin(_check_keys(keys), session, ttl=check_ttl(ttl_s))
 
     def read_load(self, h: LoadHandle, outs: list[np.ndarray] | None = None) -> int:
         """Read a pinned load's NVMe blocks (into fresh DRAM slots when there is room, else into

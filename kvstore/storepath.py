@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from kvstore import failpoints, placement
-from kvstore.handles import StoreHandle, _check_keys, _check_ttl, _rows
+from kvstore.handles import StoreHandle, _check_keys, check_ttl, _rows
 from kvstore.index import Entry
 from kvstore.tiers import Reservation
 
@@ -176,7 +176,7 @@ class StorePath:
         NVMe by this call. ``ttl_s``: a retention hint (see :meth:`begin_store`)."""
         self._check_open()
         keys = _check_keys(keys)
-        ttl_s = _check_ttl(ttl_s)
+        ttl_s = check_ttl(ttl_s)
         rows = _rows(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
         if self.dram is None and self.nvme is None:  # remote only (or nothing): no staging copy
             return self._put_remote_only(keys, rows, ttl_s) if self.remote is not None else 0
@@ -214,7 +214,7 @@ class StorePath:
         request's retention hint, the idle TTL of these blocks in every tier (None: the config's)."""
         self._check_open()
         keys = _check_keys(keys)
-        ttl_s = _check_ttl(ttl_s)
+        ttl_s = check_ttl(ttl_s)
         if self.dram is not None:
             nv = self.nvme
             want = [k for k in keys if placement.admit(nv is not None and nv.present_or_writing(k))]

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from kvstore import failpoints, placement
-from kvstore.config import GiB, from_dict, merge
-from kvstore.tune import Simulator, from_records, synth_records
+from kvstore.config import from_dict, merge
+from kvstore.tune import Simulator
 from kvstore.tune.verify import replay_store
 
 from conftest import BLOCK, block_for, check_store, one_key, tiny_config
+from test_tune import BB, cfg_blocks, mixed_trace  # noqa: F401 (a fixture)
 
 NOT_ADMITTED = {"tier": "nvme", "reason": "not_admitted"}
 
@@ -238,25 +239,6 @@ def test_close_does_not_persist_blocks_short_of_their_asks(make_store, store_dir
 
 # -- the simulator is the store ---------------------------------------------------------------------
 
-BB = 4096
-
-
-def cfg_blocks(dram, dttl, nvme, nttl, policy, shared, mode, admit):
-    return from_dict({"tiers": {
-        "dram": {"capacity_gb": dram * BB / GiB, "ttl_s": dttl, "ttl_shared_s": shared, "policy": policy,
-                 "pin_memory": False, "headroom_blocks": 0},
-        "nvme": {"capacity_gb": nvme * (BB + 4096) / GiB, "ttl_s": nttl, "ttl_shared_s": shared, "policy": policy,
-                 "header": "inline", "io_threads": 1, "write_mode": mode, "admit_after": admit}}})
-
-
-@pytest.fixture(scope="module")
-def mixed_trace():
-    def think(r):
-        return float(r.uniform(5, 40)) if r.random() < 0.7 else float(r.uniform(60, 900))
-    return from_records(synth_records(sessions=50, turns=8, think=think, arrival_s=900, replay_prob=0.1,
-                                      system_blocks=3, seed=3))
-
-
 def simulated(trace, c):
     sim = Simulator.from_config(c, BB)
     for r in trace.requests():
@@ -274,14 +256,14 @@ def simulated(trace, c):
 ])
 def test_simulator_and_store_agree_with_admission(mixed_trace, tmp_path, dram, dttl, nvme, nttl, policy, shared,
                                                   mode, admit):
-    c = cfg_blocks(dram, dttl, nvme, nttl, policy, shared, mode, admit)
+    c = cfg_blocks(dram, dttl, nvme, nttl, policy, shared, mode, admit_after=admit)
     a = simulated(mixed_trace, c)
     b = replay_store(mixed_trace, c, BB, nvme_path=str(tmp_path))
     assert a["hit_rate"] == b["hit_rate"] and a["hit_rate_by_tier"] == b["hit_rate_by_tier"]
     assert {k: v for k, v in a["misses_by_reason"].items() if v} == b["misses_by_reason"]
     assert a["nvme_written_bytes"] == b["nvme_written_bytes"] and a["nvme_not_admitted"] == b["nvme_not_admitted"]
     assert b["misses_by_reason"]["not_admitted"] > 0 and b["nvme_not_admitted"] > 0  # the filter did something
-    off = simulated(mixed_trace, cfg_blocks(dram, dttl, nvme, nttl, policy, shared, mode, 0))
+    off = simulated(mixed_trace, cfg_blocks(dram, dttl, nvme, nttl, policy, shared, mode))
     assert off["nvme_not_admitted"] == 0 and "not_admitted" not in {k for k, v in off["misses_by_reason"].items() if v}
     assert a["nvme_written_bytes"] < 0.8 * off["nvme_written_bytes"]  # fewer SSD writes ...
     assert a["hit_rate"] < off["hit_rate"]  # ... for fewer hits on this trace

@@ -27,13 +27,14 @@ BB = 4096  # small blocks: one DRAM slot, one NVMe file page
 
 
 def cfg_blocks(dram_blocks, dram_ttl, nvme_blocks, nvme_ttl, policy="lru", shared=None, write_mode="write_back",
-               nvme_policy=None, headroom=0):
+               nvme_policy=None, headroom=0, admit_after=0):
     """``dram_blocks`` held by the DRAM index, plus ``headroom`` slots (none: exact scenarios)."""
     return from_dict({"tiers": {
         "dram": {"capacity_gb": (dram_blocks + headroom) * BB / GiB, "ttl_s": dram_ttl, "ttl_shared_s": shared,
                  "policy": policy, "pin_memory": False, "headroom_blocks": headroom},
         "nvme": {"capacity_gb": nvme_blocks * (BB + 4096) / GiB, "ttl_s": nvme_ttl, "ttl_shared_s": shared,
-                 "policy": nvme_policy or policy, "header": "inline", "io_threads": 1, "write_mode": write_mode}}})
+                 "policy": nvme_policy or policy, "header": "inline", "io_threads": 1, "write_mode": write_mode,
+                 "admit_after": admit_after}}})
 
 
 @pytest.fixture(scope="module")

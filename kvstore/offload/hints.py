@@ -12,8 +12,9 @@ the value and what is allowed, and the config applies instead.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Mapping
+
+from kvstore.handles import check_ttl
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,10 @@ def parse(params: Any, req_id: str) -> tuple[float | None, bool]:
     ttl, store = None, True
     for k, v in hints.items():
         if k == "ttl_s":
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            try:
+                ttl = check_ttl(v)  # the store's own check
+            except ValueError:
                 _bad(req_id, f"{KEY}.ttl_s", v, "a positive number of seconds, or null")
-            else:
-                ttl = float(v)
         elif k == "store":
             if isinstance(v, bool):
                 store = v

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from kvstore import failpoints, kvcopy
@@ -143,8 +144,8 @@ class Mover:
                 except Exception as e:
                     self._error("end_load", e)
         bt, by_kind = self.store.block_tokens, self.store.metrics.served_by_kind
-        for t, kind in set(served):  # what reached the engine, by tier (and replay / genuine)
-            n = served.count((t, kind)) * bt
+        for (t, kind), blocks in Counter(served).items():  # what reached the engine, by tier (and replay / genuine)
+            n = blocks * bt
             self.metrics.served_tokens.labels(t).inc(n)
             if kind:
                 by_kind.labels(t, kind).inc(n)

@@ -285,6 +285,10 @@ class Planner:
                 self._async_pending.append(LoadPlan(st.req_id, list(block_ids[first:first + n]), hid, n * self.bs,
                                                     first, tiers, REPLAY if st.replay else GENUINE))
                 st.load = None
+            elif st.load_async:  # should not happen: the connector passes the whole block table
+                log.warning("kvstore: request %s: an asynchronous load without its %d blocks (got %s); "
+                            "it loads when scheduled", st.req_id, first + n,
+                            None if block_ids is None else len(block_ids))
         if st.first_hit is None:
             st.first_hit = (st.num_local, got_blocks * self.bs, "store_error" if st.failed else st.miss_reason)
         o = self.outcome(st, num_external, got_blocks * self.bs, tiers)
