@@ -166,3 +166,31 @@ def test_dram_slab_is_registered_and_resident_at_its_capacity():
         assert torch.equal(got, expect)
     finally:
         pool.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_prefill_rate_times_the_gpu_not_the_host():
+    """On CUDA the forward pass is timed by events on the compute stream, read a step later:
+    the host returns from the launches long before the GPU is done (its clock would make prefill
+    look nearly free and cut every load)."""
+    import time
+
+    from kvstore.offload.prefillrate import PrefillRate
+
+    seen = []
+    r = PrefillRate(lambda t, s, p: seen.append((t, s, p)), min_tokens=1, device="cuda", device_index=0)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    r.start(1024, 1024, 5000)
+    t0 = time.perf_counter()
+    for _ in range(20):  # 22 TFLOP of bf16: tens of ms on an H200
+        a @ a
+    host_s = time.perf_counter() - t0
+    r.stop()
+    assert seen == []  # never waited for
+    torch.cuda.synchronize()
+    r.start(0, 0)  # the next step reads the finished events (and times nothing: no tokens)
+    r.stop()
+    assert len(seen) == 1 and seen[0][0] == 1024 and seen[0][2] == 5000
+    assert seen[0][1] > 0.005 and seen[0][1] > 2 * host_s, (seen, host_s)
