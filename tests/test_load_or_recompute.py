@@ -183,3 +183,20 @@ def test_off_every_hit_is_loaded(tmp_path):
         failpoints.clear()
         s.close()
 
+
+
+def test_a_fit_without_per_token_cost_loads_everything():
+    """Steps whose time does not grow with their tokens give no recompute cost to weigh: every
+    hit is loaded, as before any estimate."""
+    from kvstore.rates import Rates
+
+    r = Rates()
+    for n in (100, 1000, 5000, 100, 3000):
+        r.observe_prefill(n, 0.05)  # a fixed 50 ms whatever the tokens
+    assert r.prefill.fit().a == 0 and r.prefill.fit().b == 0
+    r.observe_read("nvme", 1 << 20, 1.0)
+    r.observe_read("nvme", 1 << 20, 1.0)
+    r.observe_read("nvme", 1 << 20, 1.0)
+    load, recompute = r.seconds_per_block(1 << 20, 16)
+    assert load == {"nvme": pytest.approx(1.0)}
+    assert placement.worth_loading(["nvme"] * 4, load, recompute) == 4
