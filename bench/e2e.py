@@ -81,7 +81,9 @@ __all__ = ["_designs", "_goal", "add_args", "main", "plot", "render", "run"]
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths of the TTFT table ('' = skip it)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="TTFT measurements per length and case, after one warm-up (median; on 2 cores a single one "
+                        "moves by 10-30 %%)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
