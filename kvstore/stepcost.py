@@ -10,11 +10,12 @@ over recent steps misses that, and so undervalues the hits of long prompts.
 
 The fit is an exponentially weighted least-squares (``forget``: the weight kept by the previous
 steps at each new one; 0.95 weighs the last ~20 steps) with non-negative coefficients: each
-subset of the three terms is solved and the best fit with no negative coefficient is kept. Two
-subsets that fit equally well are told apart by order: the per-token terms come before the
-fixed cost, so steps that all look alike (a per-token cost and a fixed cost cannot be told
-apart) are charged per token, which values a hit more, as the store did before these estimates.
-Pure: the caller passes the amounts and seconds it measured.
+subset of the three terms is solved and the best fit with no negative coefficient is kept. A
+fixed cost is the one term that makes recomputing look cheaper, so it must earn its place: a
+fit with it is kept only if it leaves under a quarter of the squared error of the best fit
+without it. Steps that all look alike (a per-token cost and a fixed cost cannot be told apart,
+and a fixed cost would fit their noise) are so charged per token, which values a hit more, as
+the store did before these estimates. Pure: the caller passes the amounts and seconds it measured.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 # the candidate terms (fixed, per token, per pair), in order of preference on a tie
 _SUBSETS = ((0, 1, 0), (0, 1, 1), (0, 0, 1), (1, 1, 0), (1, 1, 1), (1, 0, 1), (1, 0, 0))
+FIXED_GAIN = 0.25  # a fit with a fixed cost must leave under this share of the error without one
 _SCALE = np.array([1.0, 1e3, 1e6])  # tokens in thousands, pairs in millions: a well-scaled system
 
 
@@ -75,8 +77,8 @@ class StepCost:
         return self._fit
 
     def _solve(self) -> Fit:
-        best, best_err = np.zeros(3), np.inf
         tol = 1e-9 * max(self._tt, 1e-300)
+        best = {0: (np.zeros(3), np.inf), 1: (np.zeros(3), np.inf)}  # without, with a fixed cost
         for mask in _SUBSETS:
             idx = list(compress(range(3), mask))
             a = self._xx[np.ix_(idx, idx)]
@@ -88,7 +90,9 @@ class StepCost:
             full = np.zeros(3)
             full[idx] = beta
             err = self._tt - 2 * full @ self._xt + full @ self._xx @ full
-            if err < best_err - tol:
-                best, best_err = full, err
-        c, a, b = (float(v) for v in best / _SCALE)
+            if err < best[mask[0]][1] - tol:
+                best[mask[0]] = (full, err)
+        (free, free_err), (fixed, fixed_err) = best[0], best[1]
+        chosen = fixed if fixed_err < FIXED_GAIN * free_err - tol or free_err == np.inf else free
+        c, a, b = (float(v) for v in chosen / _SCALE)
         return Fit(c, a, b)
