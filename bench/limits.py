@@ -66,8 +66,8 @@ def _split(n: int, parts: int) -> list[range]:
     return [range(i, n, parts) for i in range(parts)]
 
 
-def _parallel(fn, stripes: list[range]) -> float:
-    """Run ``fn(stripe)`` on one thread per stripe; wall seconds."""
+def run_threads(fn, stripes: list) -> float:
+    """Run ``fn(stripe)`` on one thread per stripe (one stripe: inline); wall seconds."""
     import threading
 
     if len(stripes) == 1:
@@ -90,7 +90,7 @@ def memcpy_rows_s(src: np.ndarray, dst: np.ndarray, threads: int = 1) -> float:
         for i in rows:
             np.copyto(dst[i], src[i])
 
-    return _parallel(work, _split(len(src), threads))
+    return run_threads(work, _split(len(src), threads))
 
 
 def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1) -> tuple[float, float, bool]:
@@ -112,7 +112,7 @@ def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1) -
 
         stripes = _split(n, qd)
         t = time.perf_counter()
-        _parallel(w, stripes)
+        run_threads(w, stripes)
         if not direct:
             os.fsync(fd)
         wt = time.perf_counter() - t
@@ -123,7 +123,7 @@ def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1) -
             for i in rows:
                 os.preadv(fd, [dst[i]], i * bb)
 
-        rt = _parallel(r, stripes)
+        rt = run_threads(r, stripes)
     finally:
         os.close(fd)
         os.unlink(path)

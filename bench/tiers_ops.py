@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from bench.limits import run_threads
 from kvstore.keys import ModelFingerprint
 
 
@@ -38,13 +39,7 @@ def run_op(fn, keys: list[bytes], rows: np.ndarray, batch: int, threads: int,
             lat.extend(mine)
             total[0] += got
 
-    ths = [threading.Thread(target=worker, args=(p,)) for p in per]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(worker, per)
     if counted is not None:
         counted.append(total[0])
     return wall, lat
