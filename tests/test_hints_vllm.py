@@ -109,9 +109,14 @@ def _ttls(store) -> list:
 
 
 @pytest.mark.vllm
-def test_hints_through_the_engine(tiny_model, tmp_path, hint_log):
+def test_hints_through_the_engine(tiny_model, tmp_path, hint_log, monkeypatch):
+    from kvstore.stepcost import StepCost
+
     once, kept, bad = prompt(300, 41), prompt(300, 42), prompt(300, 43)
     ref = reference(tiny_model, [once, kept, bad], max_tokens=8)
+    steps = []  # (tokens, seconds) of each timed forward pass
+    observe = StepCost.observe
+    monkeypatch.setattr(StepCost, "observe", lambda self, n, p, t: (steps.append((n, t)), observe(self, n, p, t)))
     with Engine(tiny_model, str(tmp_path / "s"), dram_gb=0.2) as e:
         store = e.shared.store
         t0 = time.perf_counter()
@@ -128,3 +133,6 @@ def test_hints_through_the_engine(tiny_model, tmp_path, hint_log):
         assert out == ref and cached == [0, 288, 288]
         fit = store.rates.prefill.fit()  # timed forward passes, each its real length
         assert fit is not None and fit.seconds(0, 300) >= 0.05 * cold_s, (fit, cold_s)
+        # every timed step is a whole forward pass of >= 128 tokens: milliseconds here, never the
+        # microseconds between vLLM's start_load_kv and wait_for_save on a step without loads
+        assert len(steps) >= 4 and min(t for _, t in steps) > 1e-3, steps
