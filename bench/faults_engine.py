@@ -264,6 +264,18 @@ def delta(after: dict, before: dict, name: str) -> float:
     return total(after) - total(before)
 
 
+def unsupplied(after: dict, before: dict) -> dict[str, int]:
+    """Prompt tokens the engine computed between two metric snapshots, by why kvstore did not supply them."""
+    name = "kvstore_engine_unsupplied_tokens_total"
+    out = {}
+    for k in after:
+        if k.startswith(name + "{"):
+            d = int(after[k] - before.get(k, 0.0))
+            if d:
+                out[re.search(r'reason="([a-z_]+)"', k).group(1)] = d
+    return out
+
+
 def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool, mp: bool, ctl: str,
                only: list[str] | None = None) -> dict:
     names = faults_for(dram, mp, only)
@@ -299,6 +311,7 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 wrong += sum(1 for a, b in zip(outs, turns[t]["outputs"]) if a != b)
                 cached.append(c)
             set_failpoints(ctl, "")
+            pre_heal = e.metrics()
             outs, c = e.generate(turns[3]["prompts"][:1], MAX_TOKENS, reset=True)  # 5. healed?
             wrong += int(outs[0] != turns[3]["outputs"][0])
             # what a run without the fault hits: turn 2's prompt and the output tokens with KV
@@ -307,6 +320,9 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
             bt = BS
             r.update({
                 "follow_ups": 7, "wrong_outputs": wrong, "follow_ups_identical": wrong == 0,
+                # the most blocks the 7 follow-ups could load: each failing once at most
+                "follow_up_blocks": sum((len(p) - 1) // BS for t in (1, 2) for p in turns[t]["prompts"])
+                + (len(turns[3]["prompts"][0]) - 1) // BS,
                 "cached_tokens": cached + [c],
                 "healed": c[0] == full, "heal_hit_tokens": c[0], "heal_full_tokens": full,
                 "loads_failed_blocks": int(delta(after, before, 'kvstore_engine_unsupplied_tokens_total'
@@ -318,8 +334,11 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 "corrupt_files": int(delta(after, before, "kvstore_corrupt_files_total")),
                 "dram_no_slot": int(delta(after, before, "kvstore_tier_skipped_blocks_total")),
                 "metrics_seen": bool(after),
+                # why the heal request's tokens were computed (a failed heal names its cause)
+                "heal_unsupplied": unsupplied(after, pre_heal),
             })
             if not after:  # the store (and its metrics endpoint) is gone
+                r["heal_unsupplied"] = None
                 for k in ("loads_failed_blocks", "tokens_recomputed", "blocks_stored_again",
                           "stores_skipped_failed_load", "store_errors", "corrupt_files", "dram_no_slot"):
                     r[k] = None

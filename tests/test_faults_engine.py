@@ -79,7 +79,12 @@ def test_fault_matrix(tiny_model, reference, tmp_path, dram, mp):
         if name == "tier_shut_down":  # the store is gone: every later request recomputes, correctly
             assert r["heal_hit_tokens"] == 0 and r["healed"] is None, r
             continue
-        assert r["healed"], (name, r)  # the last request is a full kvstore hit again
+        # the last request is a full kvstore hit again (a bad entry that stayed in the index
+        # while retried loads pinned it blocked the re-store of its block: heal hit 0 tokens)
+        assert r["healed"], (name, r["cached_tokens"], r["heal_unsupplied"], r)
+        # each follow-up fails to load at most once (the same bad entry re-pinned by every retry
+        # of a failed load: 179 to 9,593 failed blocks where 23 is right)
+        assert r["loads_failed_blocks"] <= r["follow_up_blocks"], (name, r)
         if name != "none":  # the fault happened and was met: more recompute, a counted error or bad file
             assert (r["tokens_recomputed"] > control["tokens_recomputed"] or r["store_errors"] > 0
                     or r["corrupt_files"] > 0), (name, r, control)

@@ -179,6 +179,24 @@ def test_remove():
     ix.check()
 
 
+def test_condemn_takes_a_pinned_entry_out_at_once_and_its_last_unpin_frees_it():
+    ix = idx(3)
+    a, _ = put(ix, "a", 0.0)
+    ix.pin(a)
+    ix.pin(a)  # two readers
+    assert ix.condemn(a, "corrupt") is False  # still read: its medium is not freed yet
+    assert ix.lookup("a", 0.0) is None and "a" not in ix.entries and ix.used == 0
+    assert list(ix.policy.victims()) == [] and a.reason == "corrupt"
+    ix.check()
+    b, _ = put(ix, "a", 1.0)  # the key can be stored again at once
+    assert ix.unpin(a) is False  # another reader left
+    assert ix.unpin(a) is True  # the last: the caller frees the old medium
+    assert ix.lookup("a", 1.0) is b and b.pins == 0  # the new entry is untouched
+    c, _ = put(ix, "c", 2.0)
+    assert ix.condemn(c, "corrupt") is True  # nobody reads it: free now
+    ix.check()
+
+
 def test_add_ready_rebuild_keeps_newest_and_drops_expired():
     ix = idx(3, ttl=100)
     # fed oldest first, as the start-up scan does

@@ -282,6 +282,38 @@ def test_misplaced_file_at_startup_scan(make_store):
     assert read_n(s2, keys) == 1
 
 
+@pytest.mark.parametrize("how", ["payload", "deleted"])
+def test_a_bad_file_leaves_the_index_at_its_first_failed_read_even_while_pinned(make_store, how):
+    """Three loads pin the same blocks (vLLM schedules requests that share a prefix together);
+    the first read meets the bad file. Its key must be a miss at once, not when the last pin
+    goes: a failed load is rescheduled at once and its lookup re-pinned the entry, one failed
+    load after another (26 failed loads of one bad file in the engine fault test)."""
+    s = nvme_only(make_store)
+    keys = make_keys(4)
+    s.put(keys, blocks_for(keys))
+    p = s.nvme.path_of(keys[1])
+    _flip(p, ff.HEADER_BYTES + 123) if how == "payload" else p.unlink()
+    hs = [s.pin_load(keys) for _ in range(3)]
+    assert [h.num_blocks for h in hs] == [4, 4, 4]
+    assert s.read_load(hs[0]) == 1
+    assert s.contains_prefix(keys).num_blocks == 1  # a miss now, though two loads still pin it
+    h = s.pin_load(keys)
+    assert h.num_blocks == 1 and len(s.nvme) == 3
+    s.end_load(h)
+    assert s.read_load(hs[1]) == 1  # the loads already pinned fail too: never wrong bytes
+    s.end_load(hs[0])
+    s.end_load(hs[1])
+    # stored again while the last old reader still pins the bad entry (it held the key: the
+    # recomputed block was not stored, and later requests missed it)
+    assert s.put(keys[1:2], blocks_for(keys[1:2])) == 1
+    assert s.read_load(hs[2]) == 4  # it reads the new file of the same key: checked, the right bytes
+    assert all(np.array_equal(v[:BLOCK], block_for(k)) for v, k in zip(hs[2].views, keys))
+    s.end_load(hs[2])  # the last pin: frees the old entry, never the new file
+    assert p.exists() and s.nvme.stats["corrupt"] == (how == "payload")
+    assert read_n(s, keys) == 4
+    check_store(s)
+
+
 def test_a_file_deleted_behind_the_store_is_a_miss(make_store):
     s = nvme_only(make_store)
     keys = make_keys(2)

@@ -199,17 +199,18 @@ class Tier(ABC):
             return e is not None and e.state == READY and e.expire_at <= self.clock()
 
     def release(self, entries: Sequence[Entry | None], oks: Sequence[bool] | None = None) -> None:
-        """Unpin after a read; an entry whose read failed is removed (corrupt or gone)."""
+        """Unpin after a read; an entry whose read failed leaves the index at once (corrupt or
+        gone), its medium freed by its last reader."""
         dropped = []
         with self.lock:
             for i, e in enumerate(entries):
                 if e is None:
                     continue
-                self.index.unpin(e)
-                if oks is not None and not oks[i]:
-                    gone = self.index.remove(e.key, "corrupt")
-                    if gone is not None:
-                        dropped.append(gone)
+                if self.index.unpin(e):  # the last reader of a condemned entry
+                    dropped.append(e)
+                elif oks is not None and not oks[i] and self.index.entries.get(e.key) is e:
+                    if self.index.condemn(e, "corrupt"):
+                        dropped.append(e)
         for e in dropped:
             self._free(e)
 
