@@ -68,9 +68,9 @@ class StoreMetrics:
         self.skipped = Counter("kvstore_tier_skipped_blocks", "Blocks not stored in a tier, by reason (no_slot: "
                                "every free DRAM slot held by a demotion in flight or a pin; never waited for)",
                                ["tier", "reason"], registry=r)
-        self.remote_up = Gauge("kvstore_remote_up", "1 while the remote tier (Redis / Valkey) answers, 0 while "
-                               "it is in backoff after a failure (its lookups and loads miss meanwhile)",
-                               registry=r)
+        self.remote_up = Gauge("kvstore_remote_up", "1 while the remote tier (Redis / Valkey) answers, 0 from a "
+                               "failure until a call succeeds again (its lookups and loads miss during the "
+                               "backoff that follows a failure)", registry=r)
         self.demoting = Gauge("kvstore_demoting_blocks", "DRAM blocks being written down to NVMe (each still "
                               "holds its slot and is served from it)", registry=r)
         self.failed = Counter("kvstore_tier_errors", "Block writes or reads that failed, by tier and op",

@@ -74,7 +74,7 @@ class RemotePath:
                         "retrying later", self.remote.url, e)
         self._remote_synced: dict[str, float] = {}
         self._presence = Presence(time.monotonic)
-        self.metrics.remote_up.set_function(lambda: 1.0 if self.remote.available else 0.0)
+        self.metrics.remote_up.set_function(lambda: 1.0 if self.remote.up else 0.0)
 
     # -- lookups ---------------------------------------------------------------------------------
     def _remote_extend(self, keys: Sequence[bytes], n: int) -> int:

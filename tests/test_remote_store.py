@@ -140,6 +140,7 @@ def test_server_killed_is_a_miss_and_hits_resume_after_restart(tmp_path, redis_l
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not a.remote.available:
             time.sleep(0.05)  # a's backoff
+        assert M(a, "kvstore_remote_up") == 0  # the backoff is over, but nothing has answered yet
         assert a.put(keys2, blocks_for(keys2)) == 4
         a.flush()
         while time.monotonic() < deadline and b.contains_prefix(keys2).num_blocks < 4:

@@ -217,6 +217,13 @@ class RemoteTier:
     def available(self) -> bool:
         return self._clock() >= self._down_until
 
+    @property
+    def up(self) -> bool:
+        """No failure since the last call that succeeded (the gauge ``kvstore_remote_up``). Not
+        :attr:`available`: that turns true when the backoff ends, before anything has answered
+        (a loaded machine's 0.5 s between a failure and a scrape showed a dead server as up)."""
+        return self._delay == 0
+
     def _failed(self, e: Exception) -> None:
         with self._lock:
             now = self._clock()
