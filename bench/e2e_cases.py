@@ -34,7 +34,8 @@ GOALS = {
 
 
 # ``--quick``: the whole path at toy sizes (tests; a smoke check of a new machine)
-QUICK = {"lengths": "128", "repeats": 1, "te_repeats": 1, "hidden": 128, "layers": 2, "mt_clients": 2, "mt_turns": 2,
+QUICK = {"lengths": "128", "repeats": 1, "te_repeats": 1, "hidden": 128, "layers": 2, "mt_repeats": 1,
+         "mt_clients": 2, "mt_turns": 2,
          "mt_max_tokens": 256, "mt_system": 64, "mt_first": 64, "mt_output": 4, "nr_repeats": 1, "nr_prompts": 2,
          "nr_prefill_tokens": 128, "nr_decode_prompt": 32, "nr_decode_output": 8}
 
@@ -157,7 +158,7 @@ def multi_turn(eng: Engine, a, seed: int, pressure: bool, advance=None) -> dict:
     system = toks(a.mt_system)
     prompts = [system + toks(a.mt_first) for _ in range(a.mt_clients)]
     new = _new_per_turn(a)
-    ttft, cached, prompt_tok, out_tok, wall = [], 0, 0, 0, 0.0
+    ttft, cached, prompt_tok, out_tok, wall, cpu = [], 0, 0, 0, 0.0, 0.0
     per_turn = []
     longest = 0
     for turn in range(a.mt_turns):
@@ -169,6 +170,7 @@ def multi_turn(eng: Engine, a, seed: int, pressure: bool, advance=None) -> dict:
         prompt_tok += n_prompt
         out_tok += sum(len(o) for o in r["outputs"])
         wall += r["wall_s"]
+        cpu += r["cpu_s"]
         per_turn.append({"turn": turn + 1, "prompt_tokens": n_prompt, "wall_s": r["wall_s"],
                          "mean_ttft_ms": 1e3 * statistics.mean(r["ttft_s"]), "cached_tokens": sum(r["cached"])})
         if pressure:
@@ -176,7 +178,8 @@ def multi_turn(eng: Engine, a, seed: int, pressure: bool, advance=None) -> dict:
         prompts = [p + o + toks(new) for p, o in zip(prompts, r["outputs"])]
         if advance:
             advance()
-    return {"wall_s": wall, "prompt_tokens": prompt_tok, "output_tokens": out_tok, "cached_tokens": cached,
+    return {"wall_s": wall, "cpu_s": cpu, "prompt_tokens": prompt_tok, "output_tokens": out_tok,
+            "cached_tokens": cached,
             "mean_ttft_ms": 1e3 * statistics.mean(ttft), "p90_ttft_ms": 1e3 * float(np.percentile(ttft, 90)),
             "throughput_tok_s": (prompt_tok + out_tok) / wall, "output_tok_s": out_tok / wall,
             "max_prompt_tokens": longest,
@@ -200,5 +203,5 @@ def no_reuse_once(eng: Engine, prompts: list[list[int]], max_tokens: int) -> dic
     r = eng.batch(prompts, max_tokens)
     n_prompt = sum(len(p) for p in prompts)
     n_out = sum(len(o) for o in r["outputs"])
-    return {"wall_s": r["wall_s"], "prompt_tokens": n_prompt, "output_tokens": n_out,
+    return {"wall_s": r["wall_s"], "cpu_s": r["cpu_s"], "prompt_tokens": n_prompt, "output_tokens": n_out,
             "cached_tokens": sum(r["cached"]), "throughput_tok_s": (n_prompt + n_out) / r["wall_s"]}

@@ -84,7 +84,7 @@ class Engine:
         eng = self.llm.llm_engine
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         base = f"b{time.perf_counter_ns()}-"
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i, p in enumerate(prompts):
             eng.add_request(f"{base}{i}", {"prompt_token_ids": p}, sp)
         first: dict[str, float] = {}
@@ -96,9 +96,9 @@ class Engine:
                     first[o.request_id] = now - t0
                 if o.finished:
                     final[o.request_id] = o
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         ids = [f"{base}{i}" for i in range(len(prompts))]
-        return {"wall_s": wall, "ttft_s": [first[i] for i in ids],
+        return {"wall_s": wall, "cpu_s": cpu, "ttft_s": [first[i] for i in ids],
                 "outputs": [list(final[i].outputs[0].token_ids) for i in ids],
                 "cached": [int(final[i].num_cached_tokens or 0) for i in ids]}
 

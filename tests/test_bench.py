@@ -362,6 +362,11 @@ def test_e2e_tiny(tmp_path):
         assert 0.0 <= r["cached_share"] < 1.0
         assert (r["goal"] is not None) == (r["case"] == "kvstore" and r["regime"] == "hbm_pressure")
     assert all(r["x_recompute"] == 1.0 for r in mt if r["case"] == "recompute")
+    assert all(len(r["x_recompute_runs"]) == 1 and r["x_recompute"] == r["x_recompute_runs"][0] for r in mt)
+    by_mt = {(r["regime"], r["case"], r["design"]): r for r in mt}
+    for r in mt:  # against vLLM's own cache with ample HBM, measured in the same round
+        assert r["x_vllm_ample"] == pytest.approx(
+            r["throughput_tok_s"] / by_mt[("hbm_ample", "vllm_prefix", "")]["throughput_tok_s"])
     assert all(r["cached_share"] == 0.0 for r in mt if r["case"] == "recompute")
     ample = {(r["case"], r["design"]): r for r in mt if r["regime"] == "hbm_ample"}
     assert ample[("vllm_prefix", "")]["cached_share"] > 0.3  # turn 2 re-uses turn 1
@@ -373,7 +378,7 @@ def test_e2e_tiny(tmp_path):
         assert r["cached_tokens"] == 0  # nothing is reused
         assert r["prompt_tokens"] == 2 * (128 if r["workload"] == "prefill_heavy" else 32)
         assert r["output_tokens"] == 2 * (1 if r["workload"] == "prefill_heavy" else 8)
-        assert r["throughput_tok_s"] > 0 and len(r["x_vllm_runs"]) == 1
+        assert r["throughput_tok_s"] > 0 and len(r["x_vllm_runs"]) == 1 and r["x_vllm_cpu"] > 0
         assert r["x_vllm"] == (1.0 if r["case"] == "vllm" else pytest.approx(statistics.median(r["x_vllm_runs"])))
         assert (r["goal"] is not None) == (r["case"] == "kvstore")
     goals = data["goals"]
