@@ -32,7 +32,9 @@ this multi-turn moved by 27 % on the 2-core VM, more than the goal's margin.
 **No-reuse tax.** What kvstore costs when nothing is ever reused: ``--nr-prompts`` distinct
 prompts submitted as one batch, ``prefill_heavy`` (``--nr-prefill-tokens`` each, 1 output token)
 and ``decode_heavy`` (``--nr-decode-prompt`` tokens each, ``--nr-decode-output`` output tokens),
-with kvstore (each design; DRAM + NVMe tiers) against vLLM without any connector. Each of
+with kvstore (each design; DRAM + NVMe tiers) against vLLM without any connector. Every
+measured run waits for the DRAM pool's background pre-fault (a one-time start-up cost) to end.
+Each of
 ``--nr-repeats`` rounds builds a fresh engine per configuration, in an order rotated every round
 (interleaved, so a slow spell of a shared machine falls on all of them); reported are the median
 throughput ((prompt + output tokens) / wall time) and the median of the rounds' paired ratios.
@@ -78,7 +80,7 @@ import numpy as np
 from bench import harness
 from bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLOADS, PEERS, QUICK, REGIMES,
                              TTFT_CASES, _case_engine, _cuda, _designs, _goal, _label, _load, multi_turn,
-                             no_reuse_once, no_reuse_prompts, peer_status)
+                             no_reuse_once, no_reuse_prompts, peer_status, settle)
 from bench.e2e_report import plot, render, tables
 from bench.e2e_two import two_engines
 
@@ -106,7 +108,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mt-system", type=int, default=512, help="system-prompt tokens shared by all clients")
     p.add_argument("--mt-first", type=int, default=256, help="first user message tokens")
     p.add_argument("--mt-output", type=int, default=32, help="tokens generated per turn")
-    p.add_argument("--nr-repeats", type=int, default=3,
+    p.add_argument("--nr-repeats", type=int, default=5,
                    help="no-reuse rounds (a fresh engine per configuration each round; 0 = skip the no-reuse run)")
     p.add_argument("--nr-prompts", type=int, default=16, help="no-reuse: distinct prompts per batch")
     p.add_argument("--nr-prefill-tokens", type=int, default=2048, help="no-reuse prefill_heavy: tokens per prompt")
@@ -199,6 +201,7 @@ def run(a: argparse.Namespace) -> dict:
             kv = case.startswith("kvstore") or case in PEERS
             try:
                 eng.ttft(fresh(64))  # warm-up
+                settle()
                 for n in lengths:
                     for r in range(a.repeats + 1):
                         p = fresh(n)
@@ -229,6 +232,7 @@ def run(a: argparse.Namespace) -> dict:
                     eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(a.mt_clients)],
                               a.mt_output)  # warm the batched decode
                     eng.reset()
+                    settle()
                     for j, regime in enumerate(REGIMES):
                         if case == "recompute" and j > 0:
                             continue  # without a prefix cache the regimes are one run
@@ -254,6 +258,7 @@ def run(a: argparse.Namespace) -> dict:
                     wrng = np.random.default_rng(2000 + rnd)
                     eng.ttft([int(x) for x in wrng.integers(4, 500, size=64)])  # warm-up (and the DRAM pool)
                     eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(a.nr_prompts)], 8)
+                    settle()
                     order = NR_WORKLOADS if rnd % 2 == 0 else NR_WORKLOADS[::-1]
                     for wl in order:
                         ps, max_tokens = prompts[wl]
