@@ -3,15 +3,11 @@
 Redis keeps the index (its own TTL and eviction), so this tier has none: every call is one round
 trip per server, a pipeline of one command per block (a cluster's node groups run in parallel).
 
-Key names::
-
-    kvs:{<namespace hex>.<key[0] hex>}:<key hex>
-
-The hash tag (between the braces) is the namespace plus the key's first byte: a namespace
-spreads over at most 256 slots (keys are hashes, so evenly), which balances a cluster of up to
-dozens of masters; one tag per namespace would put a whole model on one master. A batch is
-pipelined per node, not per slot, so the number of slots it touches costs nothing. The full
-namespace is in the name so ``scan`` can list namespaces without reading values.
+Key names: ``kvs:{<namespace hex>.<key[0] hex>}:<key hex>``; the hash tag (in braces) is the
+namespace and the key's first byte: a namespace spreads over at most 256 slots evenly (keys are
+hashes), which balances a cluster of up to dozens of masters; one tag per namespace would put a
+whole model on one master. A batch is pipelined per node, not per slot, so the number of slots it
+touches costs nothing. ``scan`` lists namespaces from the names alone, reading no value.
 
 A value is self-describing (:mod:`.remotevalue`: the block file's compact header, then the
 payload), sent without a copy of the block (:mod:`.setpipe`). A value that fails any check
@@ -219,9 +215,8 @@ class RemoteTier:
 
     @property
     def up(self) -> bool:
-        """No failure since the last call that succeeded (the gauge ``kvstore_remote_up``). Not
-        :attr:`available`: that turns true when the backoff ends, before anything has answered
-        (a loaded machine's 0.5 s between a failure and a scrape showed a dead server as up)."""
+        """No failure since the last call that succeeded (``kvstore_remote_up``; not :attr:`available`,
+        which turns true when the backoff ends, before anything has answered)."""
         return self._delay == 0
 
     def _failed(self, e: Exception) -> None:
