@@ -83,6 +83,7 @@ from bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLO
                              no_reuse_once, no_reuse_prompts, peer_status, settle)
 from bench.e2e_report import plot, render, tables
 from bench.e2e_two import two_engines
+from bench.engine import Engine
 
 __all__ = ["_designs", "_goal", "add_args", "main", "plot", "render", "run"]
 
@@ -132,6 +133,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="toy sizes for every part (overrides the size flags: " + ", ".join(
                        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + ")")
     harness.output_args(p)
+
+
+def _rounds(repeats: int, configs: list, what: str, open_engine, work: str, bar, *, warm_seed: int,
+            warm_batch: tuple[int, int], run) -> None:
+    """``repeats`` rounds of a fresh engine (and store) per configuration, their order rotated
+    every round (a slow spell of a shared machine falls on all of them). Each engine is warmed
+    (one prompt, then ``warm_batch`` = (prompts, output tokens): the batched decode), vLLM's
+    cache reset, the DRAM pool settled, then ``run(engine, round, case, design)``."""
+    for rnd in range(repeats):
+        k = rnd % len(configs)
+        for case, design in configs[k:] + configs[:k]:
+            bar.label(f"{what}, round {rnd + 1}, {_label(case, design)}")
+            store = os.path.join(work, f"{what.replace(' ', '-')}-{rnd}-{case}-{design or ''}")
+            eng = open_engine(case, design, store)
+            try:
+                wrng = np.random.default_rng(warm_seed + rnd)
+                eng.ttft([int(x) for x in wrng.integers(4, 500, size=64)])  # warm-up
+                eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(warm_batch[0])],
+                          warm_batch[1])
+                eng.reset()
+                settle()
+                run(eng, rnd, case, design)
+            finally:
+                eng.close()
+                shutil.rmtree(store, ignore_errors=True)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -218,55 +244,34 @@ def run(a: argparse.Namespace) -> dict:
                         bar.advance()
             finally:
                 eng.close()
-        # multi-turn: rounds of fresh engines (and stores), the configurations' order rotated each round
-        for rnd in range(a.mt_repeats if do_mt else 0):
-            k = rnd % len(mt_runs)
-            for case, design in mt_runs[k:] + mt_runs[:k]:
-                bar.label(f"multi-turn, round {rnd + 1}, {_label(case, design)}")
-                store = os.path.join(work.name, f"mt-{rnd}-{case}-{design or ''}")
-                eng = _case_engine("kvstore_dram" if case == "kvstore" else case, model, a, max_len, work.name,
-                                   design, store=store)
-                try:
-                    wrng = np.random.default_rng(3000 + rnd)
-                    eng.ttft([int(x) for x in wrng.integers(4, 500, size=64)])  # warm-up
-                    eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(a.mt_clients)],
-                              a.mt_output)  # warm the batched decode
-                    eng.reset()
-                    settle()
-                    for j, regime in enumerate(REGIMES):
-                        if case == "recompute" and j > 0:
-                            continue  # without a prefix cache the regimes are one run
-                        # the same prompts for every configuration within a round and regime
-                        mt.setdefault((case, design, regime), []).append(
-                            multi_turn(eng, a, seed=100 + 10 * rnd + j, pressure=regime == "hbm_pressure",
-                                       advance=bar.advance))
-                finally:
-                    eng.close()
-                    shutil.rmtree(store, ignore_errors=True)
+        def open_engine(case: str, design: str | None, store: str) -> Engine:
+            mapped = {"kvstore": "kvstore_dram", "vllm": "vllm_prefix"}.get(case, case)
+            return _case_engine(mapped, model, a, max_len, work.name, design, store=store)
+
+        def mt_round(eng: Engine, rnd: int, case: str, design: str | None) -> None:
+            for j, regime in enumerate(REGIMES):
+                if case == "recompute" and j > 0:
+                    continue  # without a prefix cache the regimes are one run
+                # the same prompts for every configuration within a round and regime
+                mt.setdefault((case, design, regime), []).append(
+                    multi_turn(eng, a, seed=100 + 10 * rnd + j, pressure=regime == "hbm_pressure",
+                               advance=bar.advance))
+
+        _rounds(a.mt_repeats if do_mt else 0, mt_runs, "multi-turn", open_engine, work.name, bar, warm_seed=3000,
+                warm_batch=(a.mt_clients, a.mt_output), run=mt_round)
         for regime in REGIMES[1:] if do_mt else []:  # recompute's one run stands for every regime
             mt[("recompute", None, regime)] = mt[("recompute", None, REGIMES[0])]
-        # no reuse: rounds of fresh engines, the configurations' order rotated each round
-        for rnd in range(a.nr_repeats if do_nr else 0):
-            prompts = no_reuse_prompts(a, seed=1000 + rnd)  # the same prompts for every configuration in a round
-            k = rnd % len(nr_configs)
-            for case, design in nr_configs[k:] + nr_configs[:k]:
-                bar.label(f"no reuse, round {rnd + 1}, {_label(case, design)}")
-                store = os.path.join(work.name, f"nr-{rnd}-{case}-{design or ''}")
-                eng = _case_engine("vllm_prefix" if case == "vllm" else case, model, a, max_len, work.name,
-                                   design, store=store)
-                try:
-                    wrng = np.random.default_rng(2000 + rnd)
-                    eng.ttft([int(x) for x in wrng.integers(4, 500, size=64)])  # warm-up (and the DRAM pool)
-                    eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(a.nr_prompts)], 8)
-                    settle()
-                    order = NR_WORKLOADS if rnd % 2 == 0 else NR_WORKLOADS[::-1]
-                    for wl in order:
-                        ps, max_tokens = prompts[wl]
-                        nr.setdefault((wl, case, design), []).append(no_reuse_once(eng, ps, max_tokens))
-                        bar.advance()
-                finally:
-                    eng.close()
-                    shutil.rmtree(store, ignore_errors=True)
+        # the same prompts for every configuration in a round
+        nr_prompts = [no_reuse_prompts(a, seed=1000 + rnd) for rnd in range(a.nr_repeats if do_nr else 0)]
+
+        def nr_round(eng: Engine, rnd: int, case: str, design: str | None) -> None:
+            for wl in NR_WORKLOADS if rnd % 2 == 0 else NR_WORKLOADS[::-1]:
+                ps, max_tokens = nr_prompts[rnd][wl]
+                nr.setdefault((wl, case, design), []).append(no_reuse_once(eng, ps, max_tokens))
+                bar.advance()
+
+        _rounds(len(nr_prompts), nr_configs, "no reuse", open_engine, work.name, bar, warm_seed=2000,
+                warm_batch=(a.nr_prompts, 8), run=nr_round)
         te = None
         if te_lengths:
             bar.label("two engines")
