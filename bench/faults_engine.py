@@ -336,11 +336,16 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 "metrics_seen": bool(after),
                 # why the heal request's tokens were computed (a failed heal names its cause)
                 "heal_unsupplied": unsupplied(after, pre_heal),
+                # calls of the connector's hooks per side (a scheduler in another process: in the plans)
+                "hook_calls": {side: int(delta(*({k: v for k, v in d.items() if f'side="{side}"' in k}
+                                                 for d in (after, before)), "kvstore_engine_hook_calls_total"))
+                               for side in ("scheduler", "worker")},
             })
             if not after:  # the store (and its metrics endpoint) is gone
                 r["heal_unsupplied"] = None
                 for k in ("loads_failed_blocks", "tokens_recomputed", "blocks_stored_again",
-                          "stores_skipped_failed_load", "store_errors", "corrupt_files", "dram_no_slot"):
+                          "stores_skipped_failed_load", "store_errors", "corrupt_files", "dram_no_slot",
+                          "hook_calls"):
                     r[k] = None
             if FAULTS[name].get("last"):
                 r["healed"] = None  # the store is gone for good: nothing can hit again

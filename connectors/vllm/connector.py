@@ -10,6 +10,7 @@ scheduled), stores gather new full blocks after the forward pass.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,6 +26,7 @@ from kvstore.hitrate import render_engine
 from kvstore.trace import TraceWriter
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)
+from kvstore.offload.hooktime import IDLE_HOOK, HookClock, timed
 from kvstore.offload.prefillrate import PrefillRate
 
 if TYPE_CHECKING:
@@ -163,6 +165,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.shared = None
         self.server: StoreServer | None = None
         self.client = None
+        self.clock: HookClock | None = None  # the hooks' time on the engine's thread (kvstore.offload.hooktime)
         if role == KVConnectorRole.WORKER:
             # the worker owns the store (bytes and index) and serves the scheduler's lookups
             name = f"{engine}/tp{self.fingerprint.tp_rank}"
@@ -170,11 +173,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
                                async_loads=self.config.io.async_loads)
             self.server = StoreServer(self.shared, name)
+            self.clock = HookClock(self.shared.metrics.hooks, "worker")
         else:
             # the scheduler asks rank 0's store: in this process if it is here, else over a socket
             name = f"{engine}/tp0"
             local = find(name)
             self.client = LocalClient(local) if local is not None else RemoteClient(name)
+            # in the store's process the counts go straight to its totals; else in each step's plan
+            self.clock = HookClock(local.metrics.hooks if local is not None else None, "scheduler")
             trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
             self.planner = Planner(self.client, self.fingerprint, self.block_size,
                                    # a prefetch promotes NVMe blocks into DRAM; without a DRAM tier there
@@ -215,12 +221,17 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    device=self.mover.copier.device, device_index=self.mover.copier.device_index)
         log.info("kvstore: KV layout %s", layout.describe())
 
+    @timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self.shared is not None and isinstance(connector_metadata, KVStoreMetadata):
+            if connector_metadata.plan.hook_s:  # a scheduler in another process: its hooks' time
+                self.shared.metrics.hooks.add("scheduler", connector_metadata.plan.hook_s)
         if self.prefill is not None and isinstance(connector_metadata, KVStoreMetadata):
             plan = connector_metadata.plan  # the forward pass follows: time it if it is mostly prefill
             self.prefill.start(plan.prefill_tokens, plan.tokens, plan.pairs)
 
+    @timed
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self.mover is not None and isinstance(meta, KVStoreMetadata):
@@ -234,6 +245,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # all layers are gathered at once in wait_for_save
 
+    @timed
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if self.prefill is not None:
@@ -241,6 +253,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.mover is not None and isinstance(meta, KVStoreMetadata):
             self.mover.save(meta.plan)  # with io.async_saves: reserves slots and enqueues the gather
 
+    @timed
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.mover is not None and isinstance(kv_connector_metadata, KVStoreMetadata):
             self.mover.handle_preemptions(kv_connector_metadata.plan)
@@ -249,12 +262,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.mover is None:
             return None, None
         meta = self._connector_metadata
-        return self.mover.get_finished(finished_req_ids, meta.plan if isinstance(meta, KVStoreMetadata) else None)
+        plan = meta.plan if isinstance(meta, KVStoreMetadata) else None
+        t = time.perf_counter()
+        try:
+            return self.mover.get_finished(finished_req_ids, plan)
+        finally:  # a step with nothing scheduled waits here for loads: no request waits for that
+            self.clock.add(IDLE_HOOK if plan is not None and plan.idle else "get_finished", time.perf_counter() - t)
 
+    @timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.mover.take_load_errors() if self.mover is not None else set()
 
     # --------------------------------------------------------------- scheduler side
+    @timed
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.planner is not None
         tokens = request.all_token_ids if request.prompt_token_ids is not None else None
@@ -269,6 +289,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         n = self.planner.lookup(st, num_computed_tokens)
         return n, bool(n and st.load_async)  # blocks below DRAM: the request waits, others run
 
+    @timed
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.planner is not None
         st = self.planner.reqs.get(request.request_id)
@@ -277,6 +298,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         ids = blocks.get_block_ids()[0] if st.load_async and num_external_tokens > 0 else None
         self.planner.allocated(st, num_external_tokens, ids)
 
+    @timed
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.planner is not None
         new = [(r.req_id, list(r.block_ids[0]) if r.block_ids else [], r.num_computed_tokens)
@@ -290,8 +312,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens))
         plan.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self.clock is not None and self.clock.totals is None:
+            plan.hook_s = self.clock.take()  # the scheduler's hook time since the last plan
         return KVStoreMetadata(plan)
 
+    @timed
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: a store of its blocks may still be copying; vLLM frees them on finished_sending
         delay = self.planner.finished(request.request_id) if self.planner is not None else False

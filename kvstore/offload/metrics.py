@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstore.metrics import LATENCY_BUCKETS, MISS_REASONS, TIERS
+from kvstore.offload.hooktime import HookTotals
 
 # Why a prompt token the engine needed was not served: the store's miss reasons for the first
 # block it lacked (kvstore.metrics.MISS_REASONS), and
@@ -91,6 +92,8 @@ class OffloadMetrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvstore_engine_save_seconds", "Worker time to save one step's blocks",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.hooks = HookTotals()  # kvstore_engine_hook_{seconds,calls}_total{side,hook} (offload.hooktime)
+        r.register(self.hooks)
 
     def record(self, o: RequestOutcome) -> None:
         """A request's scheduler-side outcome (served and load failures come from the worker)."""

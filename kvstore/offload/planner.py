@@ -94,6 +94,7 @@ class StepPlan:
     prefill_tokens: int = 0  # of this step's scheduled tokens, those of prompts (for PrefillRate)
     tokens: int = 0  # all its scheduled tokens
     pairs: int = 0  # their attention (query, context) pairs (kvstore.stepcost.pairs)
+    hook_s: dict = field(default_factory=dict)  # hook -> (seconds, calls) of a scheduler in another process
 
 
 @dataclass
