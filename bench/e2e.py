@@ -79,8 +79,8 @@ import numpy as np
 
 from bench import harness
 from bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLOADS, PEERS, QUICK, REGIMES,
-                             TTFT_CASES, _case_engine, _cuda, _designs, _goal, _label, _load, multi_turn,
-                             no_reuse_once, no_reuse_prompts, peer_status, settle)
+                             TTFT_CASES, _case_engine, _cuda, _designs, _goal, _label, _load, hook_seconds,
+                             multi_turn, no_reuse_once, no_reuse_prompts, peer_status, settle)
 from bench.e2e_report import plot, render, tables
 from bench.e2e_two import two_engines
 from bench.engine import Engine
@@ -90,9 +90,12 @@ __all__ = ["_designs", "_goal", "add_args", "main", "plot", "render", "run"]
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths of the TTFT table ('' = skip it)")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="TTFT measurements per length and case, after one warm-up (median; on 2 cores a single one "
-                        "moves by 10-30 %%)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="TTFT measurements per length, case and round, after one warm-up (median; on 2 cores a "
+                        "single one moves by 10-30 %%)")
+    p.add_argument("--ttft-rounds", type=int, default=3,
+                   help="TTFT rounds (a fresh engine per case each round, the order rotated; the ratios are the "
+                        "median of the rounds' paired ratios)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -196,11 +199,6 @@ def run(a: argparse.Namespace) -> dict:
     max_len = max(need + [64]) + 64
     model = a.model or build_tiny_llama(os.path.join(work.name, "model"), hidden=a.hidden, layers=a.layers,
                                         max_pos=max_len)
-    rng = np.random.default_rng(0)
-
-    def fresh(n: int) -> list[int]:
-        return [int(x) for x in rng.integers(4, 500, size=n)]
-
     want = (named - set(GROUPS)) | {"recompute", "vllm_prefix"}
     ttft_cases = ([c for c in TTFT_CASES if c in want] + live_peers) if lengths else []
     mt_cases = ([c for c in MT_CASES if c != "kvstore" or "kvstore_dram" in want] + live_peers) if do_mt else []
@@ -213,40 +211,44 @@ def run(a: argparse.Namespace) -> dict:
     nr_configs = ([("vllm", None)] + ([("kvstore", d) for d in designs] if "kvstore_dram" in want else [])
                   + [(p, None) for p in live_peers]) if do_nr else []
     times: dict[tuple, list[float]] = {}
+    by_round: dict[tuple, dict[int, list[float]]] = {}  # (case, design, n) -> round -> TTFTs
+    hook_ms: dict[tuple, list[float]] = {}  # (case, design, n) -> kvstore's hooks' ms on the engine thread, per hit
     cached: dict[tuple, int] = {}
     mt: dict[tuple, list[dict]] = {}
     nr: dict[tuple, list[dict]] = {}
-    steps = len(ttft_runs) * len(lengths) * (a.repeats + 1)
+    steps = len(ttft_runs) * len(lengths) * (a.repeats + 1) * a.ttft_rounds
     steps += sum(1 if c == "recompute" else len(REGIMES) for c, _ in mt_runs) * a.mt_turns * a.mt_repeats
     steps += len(nr_configs) * a.nr_repeats * len(NR_WORKLOADS) if do_nr else 0
     steps += 2 if te_lengths else 0
     with harness.Progress(max(1, steps), "bench e2e") as bar:
-        for case, design in ttft_runs:
-            bar.label(_label(case, design))
-            eng = _case_engine(case, model, a, max_len, work.name, design)
-            kv = case.startswith("kvstore") or case in PEERS
-            try:
-                eng.ttft(fresh(64))  # warm-up
-                settle()
-                for n in lengths:
-                    for r in range(a.repeats + 1):
-                        p = fresh(n)
-                        if case != "recompute":
-                            eng.ttft(p)  # first sight: computes and stores
-                            if kv:
-                                eng.reset()
-                        dt, c = eng.ttft(p)
-                        if kv:
-                            eng.reset()
-                        if r > 0:  # the first repeat of each length is a warm-up
-                            times.setdefault((case, design, n), []).append(dt)
-                            cached[(case, design, n)] = c
-                        bar.advance()
-            finally:
-                eng.close()
         def open_engine(case: str, design: str | None, store: str) -> Engine:
             mapped = {"kvstore": "kvstore_dram", "vllm": "vllm_prefix"}.get(case, case)
             return _case_engine(mapped, model, a, max_len, work.name, design, store=store)
+
+        def ttft_round(eng: Engine, rnd: int, case: str, design: str | None) -> None:
+            kv = case.startswith("kvstore") or case in PEERS
+            prng = np.random.default_rng(500 + rnd)  # the same prompts for every case of a round
+            for n in lengths:
+                for r in range(a.repeats + 1):
+                    p = [int(x) for x in prng.integers(4, 500, size=n)]
+                    if case != "recompute":
+                        eng.ttft(p)  # first sight: computes and stores
+                        if kv:
+                            eng.reset()
+                    h0 = hook_seconds()
+                    dt, c = eng.ttft(p)
+                    h = hook_seconds() - h0
+                    if kv:
+                        eng.reset()
+                    if r > 0:  # the first repeat of each length is a warm-up
+                        times.setdefault((case, design, n), []).append(dt)
+                        by_round.setdefault((case, design, n), {}).setdefault(rnd, []).append(dt)
+                        hook_ms.setdefault((case, design, n), []).append(h * 1e3)
+                        cached[(case, design, n)] = c
+                    bar.advance()
+
+        _rounds(a.ttft_rounds if lengths else 0, ttft_runs, "ttft", open_engine, work.name, bar, warm_seed=4000,
+                warm_batch=(2, 4), run=ttft_round)
 
         def mt_round(eng: Engine, rnd: int, case: str, design: str | None) -> None:
             for j, regime in enumerate(REGIMES):
@@ -282,12 +284,13 @@ def run(a: argparse.Namespace) -> dict:
                              advance=bar.advance,
                              recompute_s=known)
     work.cleanup()
-    rows, mt_rows, nr_rows, goals = tables(a, lengths, ttft_runs, mt_runs, nr_configs, times, cached, mt, nr, do_mt)
+    rows, mt_rows, nr_rows, goals = tables(a, lengths, ttft_runs, mt_runs, nr_configs, times, cached, mt, nr, do_mt,
+                                           by_round, hook_ms)
     data = {"results": rows, "multi_turn": mt_rows, "no_reuse": nr_rows,
             "two_engines": te["rows"] if te else [], "two_engines_info": te["info"] if te else None,
             "goals": goals, "peers": peers,
             "designs": {d: DESIGNS[d] for d in designs},
-            "params": {"lengths": lengths, "repeats": a.repeats, "block_size": a.block_size, "hidden": a.hidden,
+            "params": {"lengths": lengths, "repeats": a.repeats, "ttft_rounds": a.ttft_rounds, "block_size": a.block_size, "hidden": a.hidden,
                        "layers": a.layers, "designs": designs, "mt_clients": a.mt_clients, "mt_turns": a.mt_turns,
                        "mt_max_tokens": a.mt_max_tokens, "mt_system": a.mt_system, "mt_first": a.mt_first,
                        "mt_output": a.mt_output, "mt_repeats": a.mt_repeats, "nr_repeats": a.nr_repeats,

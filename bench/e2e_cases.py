@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import statistics
+import threading
 
 import numpy as np
 
@@ -34,7 +35,7 @@ GOALS = {
 
 
 # ``--quick``: the whole path at toy sizes (tests; a smoke check of a new machine)
-QUICK = {"lengths": "128", "repeats": 1, "te_repeats": 1, "hidden": 128, "layers": 2, "mt_repeats": 1,
+QUICK = {"lengths": "128", "repeats": 1, "ttft_rounds": 1, "te_repeats": 1, "hidden": 128, "layers": 2, "mt_repeats": 1,
          "mt_clients": 2, "mt_turns": 2,
          "mt_max_tokens": 256, "mt_system": 64, "mt_first": 64, "mt_output": 4, "nr_repeats": 1, "nr_prompts": 2,
          "nr_prefill_tokens": 128, "nr_decode_prompt": 32, "nr_decode_output": 8}
@@ -128,6 +129,35 @@ def settle() -> None:
         sh.store.wait_ready(120)
 
 
+def hook_seconds() -> float:
+    """Wall seconds kvstore's connector hooks have spent on the engine's thread so far, over the
+    stores of this process (``kvstore_engine_hook_seconds_total``; the idle steps' load waits left
+    out). kvstore's direct cost to the engine: what every request of a step waits for."""
+    from kvstore.offload import shared
+
+    return sum(sh.metrics.hooks.seconds() for sh in shared.live())
+
+
+def kvstore_thread_cpu() -> float:
+    """CPU seconds used so far by this process's kvstore threads, from /proc: the Python threads
+    named ``kvstore*`` (copy jobs, NVMe I/O, demotion, pre-fault, RPC) and the native copy pool
+    (``kvstore-copy``). Work beside the engine's thread, which takes a core from it when every
+    core is busy."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tck = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = names.get(int(tid)) or open(f"/proc/self/task/{tid}/comm").read().strip()
+            if not name.startswith("kvstore"):
+                continue
+            f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+        total += (int(f[11]) + int(f[12])) / tck  # utime + stime
+    return total
+
+
 def _goal(name: str, value: float, where: str, design: str | None) -> dict:
     g = GOALS[name]
     ok = value <= g["limit"] if g["op"] == "<=" else value >= g["limit"]
@@ -172,6 +202,7 @@ def multi_turn(eng: Engine, a, seed: int, pressure: bool, advance=None) -> dict:
     ttft, cached, prompt_tok, out_tok, wall, cpu = [], 0, 0, 0, 0.0, 0.0
     per_turn = []
     longest = 0
+    hook0, bg0 = hook_seconds(), kvstore_thread_cpu()
     for turn in range(a.mt_turns):
         longest = max(longest, max(len(p) for p in prompts))
         r = eng.batch(prompts, a.mt_output)
@@ -190,7 +221,7 @@ def multi_turn(eng: Engine, a, seed: int, pressure: bool, advance=None) -> dict:
         if advance:
             advance()
     return {"wall_s": wall, "cpu_s": cpu, "prompt_tokens": prompt_tok, "output_tokens": out_tok,
-            "cached_tokens": cached,
+            "cached_tokens": cached, "hook_s": hook_seconds() - hook0, "bg_cpu_s": kvstore_thread_cpu() - bg0,
             "mean_ttft_ms": 1e3 * statistics.mean(ttft), "p90_ttft_ms": 1e3 * float(np.percentile(ttft, 90)),
             "throughput_tok_s": (prompt_tok + out_tok) / wall, "output_tok_s": out_tok / wall,
             "max_prompt_tokens": longest,
@@ -211,8 +242,10 @@ def no_reuse_prompts(a, seed: int) -> dict[str, tuple[list[list[int]], int]]:
 
 
 def no_reuse_once(eng: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    hook0, bg0 = hook_seconds(), kvstore_thread_cpu()
     r = eng.batch(prompts, max_tokens)
     n_prompt = sum(len(p) for p in prompts)
     n_out = sum(len(o) for o in r["outputs"])
     return {"wall_s": r["wall_s"], "cpu_s": r["cpu_s"], "prompt_tokens": n_prompt, "output_tokens": n_out,
+            "hook_s": hook_seconds() - hook0, "bg_cpu_s": kvstore_thread_cpu() - bg0,
             "cached_tokens": sum(r["cached"]), "throughput_tok_s": (n_prompt + n_out) / r["wall_s"]}

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -120,6 +121,10 @@ class Pool {
 
   private:
     void loop(int id) {
+#ifdef __linux__
+        // named, so a profile (and bench e2e's per-thread CPU) can tell kvstore's copies apart
+        pthread_setname_np(pthread_self(), "kvstore-copy");
+#endif
         uint64_t seen = 0;
         for (;;) {
             const std::function<void(int)>* job;

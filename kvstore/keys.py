@@ -9,8 +9,10 @@ Keys are 16-byte ``bytes``; ``key.hex()`` names files. Only *full* blocks get ke
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -18,6 +20,9 @@ import numpy as np
 import xxhash
 
 KEY_BYTES = 16
+
+
+_U32 = next((c for c in "IL" if array.array(c).itemsize == 4), None)  # the array code of a uint32
 
 
 def _h(data: bytes) -> bytes:
@@ -96,6 +101,23 @@ def root_of(fingerprint: ModelFingerprint | bytes) -> bytes:
     raise TypeError("fingerprint must be a ModelFingerprint or 16 digest bytes")
 
 
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes; each must be in [0, 2**32). A list goes through
+    ``array`` (73 us for 8k tokens, against 220 us for numpy's conversion of Python ints)."""
+    if not isinstance(token_ids, np.ndarray) and _U32 is not None:
+        try:
+            a = array.array(_U32, token_ids)  # checks every value's range
+        except OverflowError as e:
+            raise ValueError(f"token ids must be in [0, 2**32): {e}") from None
+        if sys.byteorder != "little":  # pragma: no cover
+            a.byteswap()
+        return a.tobytes()
+    toks = np.ascontiguousarray(token_ids, dtype=np.int64)
+    if toks.size and (toks.min() < 0 or toks.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return toks.astype("<u4").tobytes()
+
+
 def next_key(parent: bytes, block_tokens: Sequence[int] | np.ndarray, extra: Any = None) -> bytes:
     toks = np.ascontiguousarray(block_tokens, dtype="<u4").tobytes()
     tail = b"" if extra is None else encode(extra)
@@ -118,15 +140,12 @@ def chain_keys(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    toks = np.ascontiguousarray(token_ids, dtype=np.int64)
-    if toks.size and (toks.min() < 0 or toks.max() >= 2**32):
-        raise ValueError("token ids must be in [0, 2**32)")
-    n = len(toks) // block_size
+    n = len(token_ids) // block_size
     if extra_per_block is not None and len(extra_per_block) < n:
         raise ValueError(f"extra_per_block has {len(extra_per_block)} values for {n} full blocks")
     prev = root_of(fingerprint) if parent is None else parent
     # next_key's bytes, built once for the whole prompt: ~2.5x faster on an 8k-token prompt
-    raw = toks[: n * block_size].astype("<u4").tobytes()
+    raw = _token_bytes(token_ids[: n * block_size])
     size = struct.pack("<I", 4 * block_size)
     tail = b"" if extra is None else encode(extra)
     out = []

@@ -349,9 +349,15 @@ def test_e2e_tiny(tmp_path):
         g = r["goal"]
         assert g["goal"] == "dram_hit" and g["design"] == d and g["op"] == "<=" and g["limit"] == 1.3
         assert g["value"] == pytest.approx(r["vs_vllm_prefix"]) and g["pass"] == (g["value"] <= 1.3)
+    vp_ms = by[("vllm_prefix", "")]["ttft_ms"]
     for r in data["results"]:
         assert r["ttft_ms"] > 0
-        assert r["vs_vllm_prefix"] == pytest.approx(r["ttft_ms"] / by[("vllm_prefix", "")]["ttft_ms"])
+        assert r["vs_vllm_prefix"] == pytest.approx(r["ttft_ms"] / vp_ms)  # one round: paired = plain
+        assert r["vs_vllm_prefix_runs"] == [pytest.approx(r["vs_vllm_prefix"])]
+        # kvstore's hooks on the engine's thread: a hit pins, plans and copies; no connector, none
+        assert (r["hook_ms"] > 0) == r["case"].startswith("kvstore"), r
+        assert r["hook_ms"] < r["ttft_ms"]  # within the request's own time
+        assert r["own_vs_vllm_prefix"] == pytest.approx(1 + r["hook_ms"] / vp_ms)
     mt = data["multi_turn"]
     assert [(r["regime"], r["case"], r["design"]) for r in mt] == [
         (g, c, d) for g in ("hbm_ample", "hbm_pressure") for c, d in
@@ -381,6 +387,11 @@ def test_e2e_tiny(tmp_path):
         assert r["throughput_tok_s"] > 0 and len(r["x_vllm_runs"]) == 1 and r["x_vllm_cpu"] > 0
         assert r["x_vllm"] == (1.0 if r["case"] == "vllm" else pytest.approx(statistics.median(r["x_vllm_runs"])))
         assert (r["goal"] is not None) == (r["case"] == "kvstore")
+        # the hooks' share of the batch and the kvstore threads' CPU: kvstore's own cost
+        assert (r["hook_share"] > 0) == (r["case"] == "kvstore") and 0 <= r["bg_cpu_share"] < 1
+        assert r["own_x_vllm"] == pytest.approx(1 - r["hook_share"] - r["bg_cpu_share"])
+    assert all(r["bg_cpu_share"] == 0 for r in nr if r["case"] == "vllm")
+    assert all((r["hook_share"] > 0) == (r["case"] == "kvstore") for r in mt)
     goals = data["goals"]
     assert {(g["goal"], g["design"]) for g in goals} == {(n, d) for n in ("dram_hit", "multi_turn", "no_reuse")
                                                          for d in designs}
@@ -389,6 +400,7 @@ def test_e2e_tiny(tmp_path):
         assert g["pass"] == (g["value"] <= g["limit"] if g["op"] == "<=" else g["value"] >= g["limit"])
     text = e2e.render(data)
     assert "Goals met: sync " in text and ", async " in text
+    assert "hooks ms" in text and "own x vLLM" in text
     assert text.count("PASS") + text.count("FAIL") == 2 * len(goals)  # beside each figure and in the summary
     if data["params"]["device"] == "cpu":
         assert not any(p["available"] for p in data["peers"].values())
