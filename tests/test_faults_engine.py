@@ -2,10 +2,11 @@
 
 Every way a load can fail is injected after the store is filled, with the DRAM tier on and off,
 in vLLM's in-process mode and with its multiprocess executor (the worker in its own process,
-the store reached over the RPC socket); each fault is followed through 7 more requests of three
+the store reached over the RPC socket); each fault is followed through 8 more requests of three
 agent sessions (bench/faults_engine.py). Each must give vLLM's own prefix-cache output, the last
-one must be a full kvstore hit again, and no block left in the store may differ from the clean
-run's block under the same key. The payload-damage case failed on the code before this test
+one must be a full kvstore hit again (the one before it, the same prompt, may be the first to
+meet a damaged file whose block the follow-ups found in DRAM), and no block left in the store may
+differ from the clean run's block under the same key. The payload-damage case failed on the code before this test
 (4 of 7 follow-ups wrong, 22 poisoned blocks).
 """
 
