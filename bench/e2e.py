@@ -4,13 +4,19 @@
 design (``io.async_saves`` and ``io.async_loads`` false: saves and loads run inline in the
 engine's step), ``async`` the new one (both true). The tables show them side by side.
 
-**TTFT table.** For each prompt length, the median time to first token (a 1-token generation,
-i.e. the prefill) of:
+**TTFT table.** In ``--ttft-rounds`` rounds of a fresh engine per case (the order rotated, the
+same prompts for every case of a round), for each prompt length, the median time to first token
+(a 1-token generation, i.e. the prefill) of:
 
 * ``recompute``      vLLM without prefix caching: the whole prompt is computed;
 * ``vllm_prefix``    vLLM's own in-memory prefix cache hit (the same prompt again);
 * ``kvstore_dram``   a kvstore hit from DRAM (vLLM's cache reset in between);
 * ``kvstore_nvme``   a kvstore hit from NVMe (DRAM tier disabled, so every block is read from a file).
+
+Ratios are the median of the rounds' paired ratios. Beside them, ``hooks ms``: the wall time of
+kvstore's connector hooks on the engine's thread during the hit (kvstore_engine_hook_seconds_total),
+and ``own x vLLM`` = (vLLM's prefix hit + hooks ms) / vLLM's prefix hit: kvstore's own cost, which
+the forward pass's noise does not move (vLLM's own work for an external hit is not in it).
 
 **Multi-turn run.** ``--mt-clients`` clients x ``--mt-turns`` turns: all clients share a system
 prompt; each turn's prompt is the previous prompt + the previous output + new content, growing to
