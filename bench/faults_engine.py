@@ -244,11 +244,13 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
             # 5. healed? The heal request may be the first to meet a damaged file on its path (the
             # follow-ups met a good DRAM copy of that block; seen once, under heavy load): it
             # recomputes, and the same request again must then be a full hit
-            first = None
-            for _ in range(2):
+            def heal() -> int:
                 outs, c = e.generate(turns[3]["prompts"][:1], MAX_TOKENS, reset=True)
-                wrong += int(outs[0] != turns[3]["outputs"][0])
-                first = c[0] if first is None else first
+                return int(outs[0] != turns[3]["outputs"][0]), c[0]
+
+            w1, first = heal()
+            w2, second = heal()
+            wrong += w1 + w2
             # what a run without the fault hits: turn 2's prompt and the output tokens with KV
             full = min((len(turns[2]["prompts"][0]) + MAX_TOKENS - 1) // BS, (len(turns[3]["prompts"][0]) - 1) // BS) * BS
             after = e.metrics()
@@ -258,9 +260,9 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
                 # the most blocks the 8 requests after the fault could load: each failing once at most
                 "follow_up_blocks": sum((len(p) - 1) // BS for t in (1, 2) for p in turns[t]["prompts"])
                 + 2 * ((len(turns[3]["prompts"][0]) - 1) // BS),
-                "cached_tokens": cached + [[first, c[0]]],
+                "cached_tokens": cached + [[first, second]],
                 # (the first heal stored its own blocks: the second may hit more than ``full``)
-                "healed": c[0] >= full, "heal_hit_tokens": c[0], "heal_first_hit_tokens": first,
+                "healed": second >= full, "heal_hit_tokens": second, "heal_first_hit_tokens": first,
                 "heal_full_tokens": full,
                 # why the follow-ups' tokens were computed
                 "follow_up_unsupplied": unsupplied(pre_heal, before),

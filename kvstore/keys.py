@@ -119,7 +119,9 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
 
 
 def next_key(parent: bytes, block_tokens: Sequence[int] | np.ndarray, extra: Any = None) -> bytes:
-    toks = np.ascontiguousarray(block_tokens, dtype="<u4").tobytes()
+    """The key of the block of ``block_tokens`` after ``parent``: ``chain_keys``'s step, with the
+    same token validation."""
+    toks = _token_bytes(block_tokens)
     tail = b"" if extra is None else encode(extra)
     return _h(parent + struct.pack("<I", len(toks)) + toks + tail)
 

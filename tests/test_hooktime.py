@@ -39,16 +39,28 @@ def test_a_clock_without_totals_keeps_counts_until_taken():
     assert c.take() == {}  # taken: from zero again
 
 
-def test_a_clock_with_totals_adds_at_once_under_its_side():
+def test_a_clock_with_totals_is_read_live_under_its_side():
     t = HookTotals()
     h = Hooks(HookClock(t, "worker"))
     h.slow(0.015)
-    assert h.clock.take() == {}  # nothing kept: already in the totals
+    with pytest.raises(AssertionError):
+        h.clock.take()  # read by the totals: taking would lose counts from the scrape
     snap = t.snapshot()
     assert list(snap) == [("worker", "slow")] and snap[("worker", "slow")][1] == 1
     assert t.seconds("worker") >= 0.015 and t.seconds("scheduler") == 0.0
     t.add("scheduler", {"build_connector_meta": (0.25, 3)})  # a plan's counts from another process
     assert t.seconds() == pytest.approx(snap[("worker", "slow")][0] + 0.25)
+
+
+def test_totals_sum_the_live_clocks_of_a_side():
+    t = HookTotals()
+    a, b = HookClock(t, "worker"), HookClock(t, "worker")
+    a.add("start_load_kv", 0.25)
+    b.add("start_load_kv", 0.5)
+    assert t.snapshot() == {("worker", "start_load_kv"): (0.75, 2)}
+    a.add("start_load_kv", 0.25)  # counted after the first scrape: the next one sees it
+    t.add("worker", {"start_load_kv": (1.0, 1)})
+    assert t.snapshot() == {("worker", "start_load_kv"): (2.0, 4)}
 
 
 def test_without_a_clock_nothing_is_counted():

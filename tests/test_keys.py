@@ -162,6 +162,9 @@ def test_bad_inputs():
         chain_keys(FP, [-1] * BS, BS)
     with pytest.raises(ValueError):
         chain_keys(FP, [2**32] * BS, BS)
+    for bad in ([-1] * BS, [2**32] * BS, np.full(BS, -1, dtype=np.int64)):  # next_key validates alike
+        with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+            next_key(root_of(FP), bad)
     with pytest.raises(TypeError):
         chain_keys(b"short", TOKENS, BS)
     with pytest.raises(TypeError):

@@ -224,11 +224,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     @timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self.shared is not None and isinstance(connector_metadata, KVStoreMetadata):
-            if connector_metadata.plan.hook_s:  # a scheduler in another process: its hooks' time
-                self.shared.metrics.hooks.add("scheduler", connector_metadata.plan.hook_s)
-        if self.prefill is not None and isinstance(connector_metadata, KVStoreMetadata):
-            plan = connector_metadata.plan  # the forward pass follows: time it if it is mostly prefill
+        if not isinstance(connector_metadata, KVStoreMetadata):
+            return
+        plan = connector_metadata.plan
+        if self.shared is not None and plan.hook_s:  # a scheduler in another process: its hooks' time
+            self.shared.metrics.hooks.add("scheduler", plan.hook_s)
+        if self.prefill is not None:  # the forward pass follows: time it if it is mostly prefill
             self.prefill.start(plan.prefill_tokens, plan.tokens, plan.pairs)
 
     @timed
@@ -312,7 +313,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens))
         plan.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
-        if self.clock is not None and self.clock.totals is None:
+        if self.clock is not None and not self.clock.attached:
             plan.hook_s = self.clock.take()  # the scheduler's hook time since the last plan
         return KVStoreMetadata(plan)
 

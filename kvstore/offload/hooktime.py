@@ -7,14 +7,15 @@ time is kvstore's direct cost to the engine, and unlike a TTFT or throughput rat
 move with the forward pass: on the 2-core VM, one batch of vLLM alone ran in 4.96-6.72 s, while
 a ratio goal's margin is 3 %.
 
-``HookClock`` counts wall seconds and calls per hook. A clock in the store's process adds into
-its ``HookTotals`` at once (the worker's, and the scheduler's in vLLM's in-process mode). A
+``HookClock`` counts wall seconds and calls per hook. A clock in the store's process is attached
+to its ``HookTotals``, which reads it live (the worker's, and the scheduler's in vLLM's
+in-process mode). A
 scheduler in another process (vLLM's multiprocess executor) keeps its counts, and those since
 the last step travel in the step's plan (``StepPlan.hook_s``) for the worker to add (with
 tensor parallelism, every rank counts the scheduler's time).
 ``HookTotals`` is read at scrape time (``kvstore_engine_hook_seconds_total{side,hook}`` and
-``kvstore_engine_hook_calls_total``): the engine thread pays two clock reads and a dict update
-per call, nothing per scrape.
+``kvstore_engine_hook_calls_total``): the engine thread pays two clock reads and two dict
+updates per call, no lock, and nothing per scrape.
 """
 
 from __future__ import annotations
@@ -34,30 +35,35 @@ IDLE_HOOK = "get_finished_idle"
 
 
 class HookClock:
-    """Seconds and calls per hook: added to ``totals`` under ``side`` at once, or (no totals)
-    kept since creation or the last :meth:`take`."""
+    """Seconds and calls per hook, counted without a lock by the one thread that calls the hooks.
 
-    __slots__ = ("seconds", "calls", "totals", "side")
+    Attached to ``totals``, the counts are read live by :meth:`HookTotals.snapshot` at scrape
+    time and never taken; detached (a scheduler in another process), :meth:`take` hands them on
+    and starts again from zero. Per call: two clock reads and two dict updates, no lock. A timed
+    call measured 0.46 us, against 0.90 us with the lock and the totals' dict it replaced and
+    0.05 us untimed (one run of 200k calls, best of 5, 2026-11-23)."""
+
+    __slots__ = ("seconds", "calls", "side", "attached")
 
     def __init__(self, totals: "HookTotals | None" = None, side: str = "scheduler") -> None:
         if side not in SIDES:
             raise ValueError(f"hook side {side!r}: expected one of {SIDES}")
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
-        self.totals, self.side = totals, side
+        self.side, self.attached = side, totals is not None
+        if totals is not None:
+            totals.attach(self)
 
     def add(self, hook: str, dt: float) -> None:
-        if self.totals is not None:
-            self.totals.add_one(self.side, hook, dt)
-            return
         self.seconds[hook] = self.seconds.get(hook, 0.0) + dt
         self.calls[hook] = self.calls.get(hook, 0) + 1
 
     def take(self) -> dict[str, tuple[float, int]]:
         """The counts so far (hook -> (seconds, calls)), and start again from zero."""
-        out = {h: (s, self.calls[h]) for h, s in self.seconds.items()}
+        assert not self.attached, "an attached clock is read by its totals, never taken"
+        seconds, calls = self.seconds, self.calls
         self.seconds, self.calls = {}, {}
-        return out
+        return {h: (s, calls[h]) for h, s in seconds.items()}
 
 
 def timed(method: Callable) -> Callable:
@@ -80,12 +86,18 @@ def timed(method: Callable) -> Callable:
 
 
 class HookTotals:
-    """Running totals per (side, hook), exported as Prometheus counters when scraped."""
+    """Running totals per (side, hook), exported as Prometheus counters when scraped: the live
+    counts of the attached clocks plus what :meth:`add` brought from other processes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seconds: dict[tuple[str, str], float] = {}
         self._calls: dict[tuple[str, str], int] = {}
+        self._clocks: list[HookClock] = []
+
+    def attach(self, clock: HookClock) -> None:
+        with self._lock:
+            self._clocks.append(clock)
 
     def add(self, side: str, counts: dict[str, tuple[float, int]]) -> None:
         """Add a clock's ``take()`` (or a plan's ``hook_s``) under ``side``."""
@@ -97,15 +109,16 @@ class HookTotals:
                 self._seconds[k] = self._seconds.get(k, 0.0) + float(s)
                 self._calls[k] = self._calls.get(k, 0) + int(n)
 
-    def add_one(self, side: str, hook: str, dt: float) -> None:
-        k = (side, hook)
-        with self._lock:
-            self._seconds[k] = self._seconds.get(k, 0.0) + dt
-            self._calls[k] = self._calls.get(k, 0) + 1
-
     def snapshot(self) -> dict[tuple[str, str], tuple[float, int]]:
         with self._lock:
-            return {k: (s, self._calls[k]) for k, s in self._seconds.items()}
+            seconds, calls, clocks = dict(self._seconds), dict(self._calls), list(self._clocks)
+        for clock in clocks:  # dict.copy holds the GIL: a consistent copy while the hooks count on
+            sec, n = clock.seconds.copy(), clock.calls.copy()
+            for hook, s in sec.items():
+                k = (clock.side, hook)
+                seconds[k] = seconds.get(k, 0.0) + s
+                calls[k] = calls.get(k, 0) + n.get(hook, 0)
+        return {k: (s, calls[k]) for k, s in seconds.items()}
 
     def seconds(self, side: str | None = None) -> float:
         """Total seconds that requests waited for (of one side, or of both): all but ``IDLE_HOOK``."""
