@@ -10,7 +10,8 @@ same prompts for every case of a round), for each prompt length, the median time
 
 * ``recompute``      vLLM without prefix caching: the whole prompt is computed;
 * ``vllm_prefix``    vLLM's own in-memory prefix cache hit (the same prompt again);
-* ``kvstore_dram``   a kvstore hit from DRAM (vLLM's cache reset in between);
+* ``kvstore_dram``   a kvstore hit from DRAM (vLLM's cache reset in between, and the miss's save
+  ended first: a hit comes after a pause, not while its own save runs);
 * ``kvstore_nvme``   a kvstore hit from NVMe (DRAM tier disabled, so every block is read from a file).
 
 Ratios are the median of the rounds' paired ratios. Beside them, ``hooks ms``: the wall time of
@@ -86,7 +87,7 @@ import numpy as np
 from bench import harness
 from bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLOADS, PEERS, QUICK, REGIMES,
                              TTFT_CASES, _case_engine, _cuda, _designs, _goal, _label, _load, hook_seconds,
-                             multi_turn, no_reuse_once, no_reuse_prompts, peer_status, settle)
+                             multi_turn, no_reuse_once, no_reuse_prompts, peer_status, quiesce, settle)
 from bench.e2e_report import plot, render, tables
 from bench.e2e_two import two_engines
 from bench.engine import Engine
@@ -241,6 +242,7 @@ def run(a: argparse.Namespace) -> dict:
                         eng.ttft(p)  # first sight: computes and stores
                         if kv:
                             eng.reset()
+                            quiesce()  # its save ends before the hit (a hit comes after a pause)
                     h0 = hook_seconds()
                     dt, c = eng.ttft(p)
                     h = hook_seconds() - h0

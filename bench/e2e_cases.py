@@ -129,6 +129,20 @@ def settle() -> None:
         sh.store.wait_ready(120)
 
 
+def quiesce(timeout: float = 60.0) -> None:
+    """Wait until the stores of this process have no work in flight: the worker's copy jobs (the
+    gathers of asynchronous saves, asynchronous loads), then the store's own background work
+    (demotions, NVMe writes, write-through). A TTFT hit measured right after the miss that
+    stored it otherwise shares the 2 cores with that miss's save; a hit comes back after a pause
+    (a human's turn, an agent's tool call), when it has long ended."""
+    from kvstore.offload import shared
+
+    for sh in shared.live():
+        if sh.jobs is not None:
+            sh.jobs.wait_idle(timeout)
+        sh.store.flush()
+
+
 def hook_seconds() -> float:
     """Wall seconds kvstore's connector hooks have spent on the engine's thread so far, over the
     stores of this process (``kvstore_engine_hook_seconds_total``; the idle steps' load waits left
