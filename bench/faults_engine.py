@@ -84,7 +84,12 @@ class Engine(engine.Engine):
             # the DRAM index holds 80 blocks; 32 more slots (a turn's stores and more) take
             # the victims still being written down, so a turn's stores are not skipped
             head = HEADROOM if dram_gb else "auto"
-            cfg = engine.connector_config(store, dram_gb=dram_gb, nvme_gb=1, dram={"headroom_blocks": head})
+            # every stored block is loaded, never cut for speed: under load (CI beside another
+            # engine) the read rates once made both heal requests "slower_than_recompute" (768
+            # tokens), a fair choice that hides whether the cache healed; tests/test_load_or_recompute.py
+            # covers that policy
+            cfg = engine.connector_config(store, dram_gb=dram_gb, nvme_gb=1, dram={"headroom_blocks": head},
+                                          io={"load_only_if_faster": False})
             ktc = engine.kv_transfer({**cfg, "metrics": {"port": port}})
         super().__init__(model, block_size=BS, max_len=4096, kv_transfer=ktc, prefix_caching=prefix_caching, mp=mp)
         self.port = port
