@@ -249,7 +249,7 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
             # 5. healed? The heal request may be the first to meet a damaged file on its path (the
             # follow-ups met a good DRAM copy of that block; seen once, under heavy load): it
             # recomputes, and the same request again must then be a full hit
-            def heal() -> int:
+            def heal() -> tuple[int, int]:  # (wrong outputs, hit tokens)
                 outs, c = e.generate(turns[3]["prompts"][:1], MAX_TOKENS, reset=True)
                 return int(outs[0] != turns[3]["outputs"][0]), c[0]
 
