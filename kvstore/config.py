@@ -13,8 +13,12 @@ Schema (public; the tuner writes it, the connector reads it)::
 
 Sizes are GiB (2**30 bytes). ``ttl_s`` is an idle time: an entry expires ``ttl_s`` seconds
 after it was last stored or hit (null = never). ``ttl_shared_s`` is the idle TTL of a block hit by
-two or more distinct sessions (a TTL class for system prompts, tool schemas; null = ``ttl_s``). Unknown keys and bad values raise
-:class:`ConfigError`, which names the key, the value and what is allowed.
+two or more distinct sessions (a TTL class for system prompts, tool schemas; null = ``ttl_s``); a TTL of 0
+would keep nothing and is refused. Unknown keys and bad values raise :class:`ConfigError`, which names
+the key, the value and what is allowed (validators: :mod:`kvstore.configfields`). What this machine
+can give a config (memory for the DRAM pool, a free metrics port, the NVMe folder) is checked by
+:mod:`kvstore.machine`, at store start-up and by ``kvstore config``, never here: the tuner builds
+configs for other machines.
 
 Precedence, lowest first: built-in defaults < YAML file < ``KVSTORE__A__B=value`` environment
 variables < inline overrides (a nested dict, e.g. vLLM's ``kv_connector_extra_config``).
@@ -24,13 +28,15 @@ variables < inline overrides (a nested dict, e.g. vLLM's ``kv_connector_extra_co
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import yaml
+
+from kvstore import configfields as F
+from kvstore.configfields import ConfigError
 
 GiB = 1 << 30
 
@@ -40,91 +46,6 @@ PIN_CHOICES = ("auto", True, False)
 REMOTE_WRITE_MODES = ("write_through",)  # write-back to a shared tier: not built (see RemoteConfig)
 HEADER_CHOICES = ("auto", "xattr", "inline")
 BOOL = (True, False)
-
-
-class ConfigError(ValueError):
-    """A config value or key is invalid. The message names key, value and what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"config key '{key}': invalid value {value!r}; allowed: {allowed}")
-
-
-def _policy_names() -> tuple[str, ...]:
-    from kvstore.policy import POLICIES
-
-    return tuple(sorted(POLICIES))
-
-
-def _codec_names() -> tuple[str, ...]:
-    from kvstore.codecs.registry import CODECS
-
-    return tuple(CODECS)
-
-
-# -- field validators: (key, value, **options) -> the value to keep, or ConfigError -------------
-
-
-def _number(key: str, v: Any, *, minimum: float = 0.0, allow_none: bool = False) -> float | None:
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
-        allowed = f"a finite number >= {minimum:g}" + (" or null" if allow_none else "")
-        raise ConfigError(key, v, allowed)
-    return float(v)
-
-
-def _int(key: str, v: Any, *, minimum: int, maximum: int | None = None, allow_none: bool = False):
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
-        rng = f"an integer in [{minimum}, {maximum}]" if maximum is not None else f"an integer >= {minimum}"
-        raise ConfigError(key, v, rng + (" or null" if allow_none else ""))
-    return v
-
-
-def _auto_or_int(key: str, v: Any) -> int | str:
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(key, v, "auto | an integer >= 0")
-    return v
-
-
-def _choice(key: str, v: Any, choices: tuple | Callable[[], tuple]) -> Any:
-    choices = choices() if callable(choices) else choices
-    if isinstance(v, str):
-        low = v.strip().lower()
-        if low in ("true", "false") and (True in choices):
-            v = low == "true"
-        else:
-            v = low
-    for c in choices:
-        if v == c and type(v) is type(c):
-            return c
-    raise ConfigError(key, v, " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices))
-
-
-def _path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
-    if v is not None and (not isinstance(v, str) or not v.strip()):
-        raise ConfigError(key, v, f"a {what} path (string) or null")
-    return (os.path.expanduser(v) if expand else v) if v else None
-
-
-def _remote_url(key: str, v: Any, cluster: bool):
-    urls = v if isinstance(v, list) else [v]
-    if v is None:
-        return None
-    if not urls or (isinstance(v, list) and not cluster and len(urls) != 1):
-        raise ConfigError(key, v, "one redis:// or rediss:// url (a list of seed nodes only with cluster: true)")
-    for u in urls:
-        if isinstance(u, str) and "@" in u:
-            raise ConfigError(key, "<a url with credentials>", "a url without credentials: they come from the "
-                              "environment only (KVSTORE_REDIS_USERNAME, KVSTORE_REDIS_PASSWORD)")
-        if not isinstance(u, str) or not u.startswith(("redis://", "rediss://")) or len(u) <= len("rediss://"):
-            raise ConfigError(key, u,
-                              "redis://host:port[/db] or rediss://host:port[/db] (a list with cluster: true), or null")
-    return list(urls) if isinstance(v, list) else v
 
 
 def _f(default: Any, check: Callable, *, needs: tuple[str, ...] = (), **options) -> Any:
@@ -151,34 +72,35 @@ class _Sized:
         return self.capacity_bytes > 0
 
 
-_TTL = dict(allow_none=True)
+_TTL = dict(null="for no expiry")
+_TTL_SHARED = dict(null="for the tier's ttl_s")
 
 
 @dataclass(frozen=True)
 class DramConfig(_Sized):
-    capacity_gb: float = _f(4.0, _number)
-    ttl_s: float | None = _f(3600.0, _number, **_TTL)
-    ttl_shared_s: float | None = _f(None, _number, **_TTL)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
-    policy: str = _f("lru", _choice, choices=_policy_names)
-    codec: str = _f("none", _choice, choices=_codec_names)
-    pin_memory: Any = _f("auto", _choice, choices=PIN_CHOICES)  # auto: pin through torch when CUDA is available
-    headroom_blocks: Any = _f("auto", _auto_or_int)  # slots held back for victims being demoted; auto: 1/8 of them
+    capacity_gb: float = _f(4.0, F.number)
+    ttl_s: float | None = _f(3600.0, F.ttl, **_TTL)
+    ttl_shared_s: float | None = _f(None, F.ttl, **_TTL_SHARED)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
+    policy: str = _f("lru", F.choice, choices=F.policy_names)
+    codec: str = _f("none", F.choice, choices=F.codec_names)
+    pin_memory: Any = _f("auto", F.choice, choices=PIN_CHOICES)  # auto: pin through torch when CUDA is available
+    headroom_blocks: Any = _f("auto", F.auto_or_int)  # slots held back for victims being demoted; auto: 1/8 of them
 
 
 @dataclass(frozen=True)
 class NvmeConfig(_Sized):
-    path: str | None = _f(None, _path, what="folder", expand=True)  # null: a private temporary folder, removed at close
-    capacity_gb: float = _f(100.0, _number)
-    ttl_s: float | None = _f(86400.0, _number, **_TTL)
-    ttl_shared_s: float | None = _f(None, _number, **_TTL)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
-    policy: str = _f("lru", _choice, choices=_policy_names)
-    codec: str = _f("none", _choice, choices=_codec_names)
-    zstd_level: int = _f(3, _int, minimum=1, maximum=19)  # for the +zstd codecs (1 fast .. 19 small)
-    o_direct: Any = _f("auto", _choice, choices=O_DIRECT_CHOICES)
-    write_mode: str = _f("write_back", _choice, choices=WRITE_MODES)
-    io_threads: int = _f(4, _int, minimum=1, maximum=64)
-    header: str = _f("auto", _choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
-    admit_after: int = _f(0, _int, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
+    path: str | None = _f(None, F.path, what="folder", expand=True)  # null: a private temporary folder, removed at close
+    capacity_gb: float = _f(100.0, F.number)
+    ttl_s: float | None = _f(86400.0, F.ttl, **_TTL)
+    ttl_shared_s: float | None = _f(None, F.ttl, **_TTL_SHARED)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
+    policy: str = _f("lru", F.choice, choices=F.policy_names)
+    codec: str = _f("none", F.choice, choices=F.codec_names)
+    zstd_level: int = _f(3, F.integer, minimum=1, maximum=19)  # for the +zstd codecs (1 fast .. 19 small)
+    o_direct: Any = _f("auto", F.choice, choices=O_DIRECT_CHOICES)
+    write_mode: str = _f("write_back", F.choice, choices=WRITE_MODES)
+    io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
+    header: str = _f("auto", F.choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
+    admit_after: int = _f(0, F.integer, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
 
 
 @dataclass(frozen=True)
@@ -193,26 +115,26 @@ class RemoteConfig:
     write-through only (sharing needs a block there before DRAM evicts it). ``timeout_ms``: a
     slower answer is a miss."""
 
-    url: Any = _f(None, _remote_url, needs=("cluster",))
-    cluster: bool = _f(False, _choice, choices=BOOL)
-    ttl_s: float | None = _f(86400.0, _number, **_TTL)
-    codec: str = _f("none", _choice, choices=_codec_names)
-    zstd_level: int = _f(3, _int, minimum=1, maximum=19)
-    write_mode: str = _f("write_through", _choice, choices=REMOTE_WRITE_MODES)
-    timeout_ms: int = _f(200, _int, minimum=1, maximum=60_000)
-    io_threads: int = _f(4, _int, minimum=1, maximum=64)
+    url: Any = _f(None, F.remote_url, needs=("cluster",))
+    cluster: bool = _f(False, F.choice, choices=BOOL)
+    ttl_s: float | None = _f(86400.0, F.ttl, **_TTL)
+    codec: str = _f("none", F.choice, choices=F.codec_names)
+    zstd_level: int = _f(3, F.integer, minimum=1, maximum=19)
+    write_mode: str = _f("write_through", F.choice, choices=REMOTE_WRITE_MODES)
+    timeout_ms: int = _f(200, F.integer, minimum=1, maximum=60_000)
+    io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
 
     @property
     def enabled(self) -> bool:
         return self.url is not None
 
     @staticmethod
-    def _refuse(prefix: str, d: Any) -> None:
+    def _refuse(key: str, name: Any) -> ConfigError | None:
         """No credentials in a config file, under any key name."""
-        for k in d if isinstance(d, Mapping) else ():
-            if isinstance(k, str) and any(w in k.lower() for w in ("pass", "user", "auth", "token", "secret")):
-                raise ConfigError(f"{prefix}.{k}", "<not shown>", "no credentials in the config: set "
-                                  "KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD in the environment")
+        if isinstance(name, str) and any(w in name.lower() for w in ("pass", "user", "auth", "token", "secret")):
+            return ConfigError(key, "<not shown>", "no credentials in the config: set "
+                               "KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD in the environment")
+        return None
 
 
 @dataclass(frozen=True)
@@ -230,18 +152,18 @@ class IoConfig:
     (``WAITING_FOR_REMOTE_KVS``) and other requests run; ``false`` loads everything inline
     before the forward pass (the first design, kept to measure against)."""
 
-    async_saves: bool = _f(True, _choice, choices=BOOL)
-    async_loads: bool = _f(True, _choice, choices=BOOL)
+    async_saves: bool = _f(True, F.choice, choices=BOOL)
+    async_loads: bool = _f(True, F.choice, choices=BOOL)
     # cut a hit where loading is slower than recomputing (placement.worth_loading; reason
     # slower_than_recompute), from each tier's measured reads and the engine's step cost fitted
     # over its timed forward passes (kvstore.stepcost). Measured on the tiny CPU test model (NVMe
     # only): a block costs 0.55 ms to load and 1.4 ms (first) to 25 ms (at 8k) to recompute
-    load_only_if_faster: bool = _f(True, _choice, choices=BOOL)
+    load_only_if_faster: bool = _f(True, F.choice, choices=BOOL)
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    port: int | None = _f(None, _int, minimum=1, maximum=65535, allow_none=True)
+    port: int | None = _f(None, F.integer, minimum=1, maximum=65535, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -249,8 +171,8 @@ class StoreConfig:
     tiers: TiersConfig = _sec(TiersConfig)
     io: IoConfig = _sec(IoConfig)
     metrics: MetricsConfig = _sec(MetricsConfig)
-    trace_path: str | None = _f(None, _path, what="file")
-    trace_tokens: bool = _f(False, _choice, choices=BOOL)  # the trace keeps each prompt's token ids (opt-in)
+    trace_path: str | None = _f(None, F.path, what="file")
+    trace_tokens: bool = _f(False, F.choice, choices=BOOL)  # the trace keeps each prompt's token ids (opt-in)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -262,35 +184,57 @@ class StoreConfig:
 # -- building from plain data -----------------------------------------------------------------
 
 
-def _check_keys(prefix: str, data: Mapping, cls) -> None:
+def _key_errors(prefix: str, data: Any, cls) -> list[ConfigError]:
+    """A non-mapping section, credentials (RemoteConfig._refuse) and unknown keys, in file order."""
     if not isinstance(data, Mapping):
-        raise ConfigError(prefix or "<root>", data, "a mapping")
+        return [ConfigError(prefix or "<root>", data, "a mapping")]
     names = [f.name for f in dataclasses.fields(cls)]
+    out = []
     for k in data:
-        if k not in names:
-            key = f"{prefix}.{k}" if prefix else str(k)
-            raise ConfigError(key, data[k], f"known keys here are {', '.join(names)} (unknown key)")
+        key = f"{prefix}.{k}" if prefix else str(k)
+        e = getattr(cls, "_refuse", lambda key, name: None)(key, k)
+        if e is None and k not in names:
+            e = ConfigError(key, data[k], f"known keys here are {', '.join(names)} (unknown key)")
+        if e is not None:
+            out.append(e)
+    return out
 
 
-def _build(cls, prefix: str, data: Any):
-    """A config object from plain data, every field checked by the validator its metadata names."""
+def _build(cls, prefix: str, data: Any, errors: list | None):
+    """A config object from plain data, every field checked by the validator its metadata names.
+    ``errors`` None: the first bad key raises; a list: every bad key is appended and its default kept."""
     data = {} if data is None else data
-    getattr(cls, "_refuse", lambda p, d: None)(prefix, data)
-    _check_keys(prefix, data, cls)
+
+    def bad(e: ConfigError) -> None:
+        if errors is None:
+            raise e
+        errors.append(e)
+
+    for e in _key_errors(prefix, data, cls):
+        bad(e)
+    data = data if isinstance(data, Mapping) else {}
     out: dict[str, Any] = {}
     for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.metadata.get("needs"))):  # stable
         key = f"{prefix}.{f.name}" if prefix else f.name
         if "section" in f.metadata:
-            out[f.name] = _build(f.metadata["section"], key, data.get(f.name))
+            out[f.name] = _build(f.metadata["section"], key, data.get(f.name), errors)
             continue
         opts = dict(f.metadata["options"], **{n: out[n] for n in f.metadata["needs"]})
-        out[f.name] = f.metadata["check"](key, data.get(f.name, f.default), **opts)
+        try:
+            out[f.name] = f.metadata["check"](key, data.get(f.name, f.default), **opts)
+        except ConfigError as e:
+            bad(e)
+            out[f.name] = f.default
     return cls(**out)
 
 
-def from_dict(data: Mapping | None) -> StoreConfig:
-    """Build and validate a :class:`StoreConfig` from plain nested data (e.g. parsed YAML)."""
-    return _build(StoreConfig, "", data)
+def from_dict(data: Mapping | None, errors: list | None = None) -> StoreConfig:
+    """Build and validate a :class:`StoreConfig` from plain nested data (e.g. parsed YAML).
+
+    Pure: nothing here depends on the machine (the tuner builds configs for others);
+    :mod:`kvstore.machine` checks what this machine can give. With ``errors`` (a list), every
+    bad key is appended to it instead of raising the first, and its default kept."""
+    return _build(StoreConfig, "", data, errors)
 
 
 def merge(base: Mapping, override: Mapping) -> dict:
@@ -335,12 +279,28 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
     return out
 
 
+MAX_FILE_BYTES = 1 << 20  # a config is a few KiB; this refuses /dev/zero, a log or a model file
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
+    """A config file's mapping. Refused naming ``config``: a path that is not a string, holds a NUL
+    byte or is not a readable regular file; more than 1 MiB; not UTF-8 text; not a YAML mapping."""
+    if not isinstance(path, (str, os.PathLike)) or "\0" in os.fspath(path):
+        raise ConfigError("config", path, "the path of a YAML file (a string without NUL bytes)")
     try:
-        text = p.read_text()
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:  # a FIFO: no wait
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ConfigError("config", str(path), "a regular YAML file (this is a folder or a device)")
+            raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        raise ConfigError("config", str(path), f"a readable YAML file ({e.strerror})") from None
+        raise ConfigError("config", str(path), f"a readable YAML file ({e.strerror or e})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError("config", str(path), f"a YAML file of at most {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", str(path), "a UTF-8 text YAML file", f"byte {e.start} is not UTF-8: "
+                          "a binary file?") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -356,15 +316,27 @@ def load_config(
     path: str | os.PathLike | None = None,
     overrides: Mapping | None = None,
     environ: Mapping[str, str] | None = None,
-) -> StoreConfig:
-    """Defaults < YAML file (``path`` or ``$KVSTORE_CONFIG``) < ``KVSTORE__*`` env < ``overrides``."""
+    errors: list | None = None,
+) -> StoreConfig | None:
+    """Defaults < YAML file (``path``, else ``overrides["config"]``, else ``$KVSTORE_CONFIG``) <
+    ``KVSTORE__*`` env < ``overrides``. With ``errors`` (a list), every bad key is appended to it
+    (see :func:`from_dict`); a file or environment that cannot be read at all appends one error
+    and returns None."""
     environ = os.environ if environ is None else environ
-    overrides = dict(overrides or {})
-    if path is None:
-        path = overrides.pop("config", None) or environ.get("KVSTORE_CONFIG") or None
-    else:
-        overrides.pop("config", None)
-    data: dict = read_yaml(path) if path else {}
-    data = merge(data, env_overrides(environ))
-    data = merge(data, overrides)
-    return from_dict(data)
+    try:
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise ConfigError("<overrides>", overrides, "a mapping of config keys (e.g. kv_connector_extra_config)")
+        overrides = dict(overrides or {})
+        named = overrides.pop("config", None)
+        if named is not None and not isinstance(named, (str, os.PathLike)):
+            raise ConfigError("config", named, "the path of a YAML file (a string), or null")
+        if path is None:
+            path = named or environ.get("KVSTORE_CONFIG") or None
+        data: dict = read_yaml(path) if path else {}
+        data = merge(data, env_overrides(environ))
+    except ConfigError as e:
+        if errors is None:
+            raise
+        errors.append(e)
+        return None
+    return from_dict(merge(data, overrides), errors)

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -138,6 +139,15 @@ class PinError(RuntimeError):
     """The DRAM tier could not be registered with CUDA (raised at start-up)."""
 
 
+_preparing: weakref.WeakSet = weakref.WeakSet()  # this process's pools still preparing in the background
+
+
+def unprepared_bytes() -> int:
+    """Bytes this process's pools will still take as their background preparation goes on: the
+    machine's MemAvailable does not count them yet (a second store's DRAM check subtracts them)."""
+    return sum(p.unprepared_bytes for p in list(_preparing))
+
+
 class SlabPool:
     """``n_slots`` fixed-size slots in a few big chunks. Slot ``i`` is ``view(i)``.
 
@@ -203,6 +213,7 @@ class SlabPool:
                      n_slots * slot_bytes / GiB, self.n_chunks, self._ready_slots * slot_bytes / GiB,
                      self._ready_slots, n_slots)
             self._thread = threading.Thread(target=self._prepare_rest, name="kvstore-dram-prefault", daemon=True)
+            _preparing.add(self)
             self._thread.start()
 
     # -- preparation -----------------------------------------------------------------------------
@@ -256,6 +267,11 @@ class SlabPool:
                      self.n_slots * self.slot_bytes / GiB, self.n_chunks, self.prepare_s,
                      "pinned" if self.pinned else "not pinned")
         self._done.set()
+
+    @property
+    def unprepared_bytes(self) -> int:
+        """Bytes still to be mapped and pre-faulted (0 once preparation ended, however it ended)."""
+        return 0 if self._done.is_set() else (self.n_slots - self._ready_slots) * self.slot_bytes
 
     @property
     def ready_slots(self) -> int:

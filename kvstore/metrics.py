@@ -12,6 +12,7 @@ TTL, prefix diverged, below the minimum length, corrupt.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -22,6 +23,10 @@ from kvstore.placement import MISS_REASONS  # noqa: F401 (re-exported; the rules
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 TIERS = ("dram", "nvme", "remote")  # the tier label's values
 KINDS = ("replay", "genuine")  # the kind label's values (kvstore.offload.replay)
+
+log = logging.getLogger(__name__)
+_serving: dict[int, "StoreMetrics"] = {}  # metrics.port -> the store metrics of this process served there
+_serving_lock = threading.Lock()
 
 
 class StoreMetrics:
@@ -92,9 +97,28 @@ class StoreMetrics:
                           "namespace, so a tool can find a prompt's blocks (keys = chain_keys(root, tokens))",
                           ["model", "root", "namespace"], registry=r)
         self._server = None
+        self._port = port
         self._lock = threading.Lock()
         if port:
-            self._server = start_http_server(port, registry=r)
+            self._serve(port)
+
+    def _serve(self, port: int) -> None:
+        """Export on ``port``. Held by another program: a ConfigError naming metrics.port. Held by
+        another store of this process: one warning, and this store's metrics stay unexported
+        (one registry per port; ranks and engines sharing a port are not built yet)."""
+        with _serving_lock:
+            other = _serving.get(port)
+            if other is not None:
+                log.warning("kvstore: metrics.port %d already exports another store of this process; this "
+                            "store's metrics are not exported (give each store its own port)", port)
+                return
+            try:
+                self._server = start_http_server(port, registry=self.registry)
+            except OSError as e:
+                from kvstore.machine import port_refused
+
+                raise port_refused(port, e) from None
+            _serving[port] = self
 
     def text(self) -> str:
         """The Prometheus exposition text."""
@@ -124,3 +148,6 @@ class StoreMetrics:
             except Exception:
                 pass
             self._server = None
+        with _serving_lock:  # after the socket closed: the next store of this process may bind it
+            if self._port and _serving.get(self._port) is self:
+                del _serving[self._port]

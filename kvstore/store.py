@@ -41,6 +41,7 @@ from kvstore.handles import LoadHandle, PrefixMatch, StoreHandle, _check_keys, _
 from kvstore.index import Entry
 from kvstore.keys import ModelFingerprint, root_of
 from kvstore.loadpath import LoadPath
+from kvstore.machine import check_dram
 from kvstore.metrics import StoreMetrics
 from kvstore.metricsglue import MetricsGlue
 from kvstore.remotepath import RemotePath
@@ -84,6 +85,7 @@ class KVStore(StorePath, LoadPath, RemotePath, MetricsGlue):
                               "none (DRAM codecs are not implemented yet; set int8/fp8/zstd on tiers.nvme.codec)")
         if ncfg.enabled and ncfg.codec != "none":
             self.nvme_codec = make_codec(ncfg.codec, self.geometry, ncfg.zstd_level)
+        check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
         self.rates = Rates(use=self.config.io.load_only_if_faster)  # tier reads (measured here), the engine's prefill
         self.metrics.info.labels(fingerprint.model if isinstance(fingerprint, ModelFingerprint) else "",

@@ -1,0 +1,139 @@
+"""The config's error and its field validators: ``(key, value, **options)`` -> the value to keep,
+or a :class:`ConfigError` naming the key, the value, why and what is allowed. Pure: nothing here
+looks at the machine (:mod:`kvstore.machine` does)."""
+
+from __future__ import annotations
+
+import math
+import os
+import reprlib
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+_SHOW = reprlib.Repr()  # a value in a message: a YAML alias bomb or a 1 MiB string is shown cut short
+_SHOW.maxstring = _SHOW.maxother = 300
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict = 2, 6, 6
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid. The message names key, value, why (when the value alone
+    does not say) and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str, why: str | None = None):
+        self.key, self.value, self.allowed, self.why = key, value, allowed, why
+        super().__init__(f"config key '{key}': invalid value {_SHOW.repr(value)}"
+                         + (f" ({why})" if why else "") + f"; allowed: {allowed}")
+
+    def __reduce__(self):  # pickles (e.g. across a process boundary) with its fields
+        return ConfigError, (self.key, self.value, self.allowed, self.why)
+
+
+def policy_names() -> tuple[str, ...]:
+    from kvstore.policy import POLICIES
+
+    return tuple(sorted(POLICIES))
+
+
+def codec_names() -> tuple[str, ...]:
+    from kvstore.codecs.registry import CODECS
+
+    return tuple(CODECS)
+
+
+def number(key: str, v: Any, *, minimum: float = 0.0, allow_none: bool = False) -> float | None:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
+        allowed = f"a finite number >= {minimum:g}" + (" or null" if allow_none else "")
+        raise ConfigError(key, v, allowed)
+    return float(v)
+
+
+def ttl(key: str, v: Any, *, null: str) -> float | None:
+    """An idle TTL: 0 would expire every block at once (the tier keeps nothing), so it is refused."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(key, v, f"a positive number of seconds, or null {null}")
+    return float(v)
+
+
+def integer(key: str, v: Any, *, minimum: int, maximum: int | None = None, allow_none: bool = False):
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+        rng = f"an integer in [{minimum}, {maximum}]" if maximum is not None else f"an integer >= {minimum}"
+        raise ConfigError(key, v, rng + (" or null" if allow_none else ""))
+    return v
+
+
+def auto_or_int(key: str, v: Any) -> int | str:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(key, v, "auto | an integer >= 0")
+    return v
+
+
+def choice(key: str, v: Any, choices: tuple | Callable[[], tuple]) -> Any:
+    choices = choices() if callable(choices) else choices
+    if isinstance(v, str):
+        low = v.strip().lower()
+        if low in ("true", "false") and (True in choices):
+            v = low == "true"
+        else:
+            v = low
+    for c in choices:
+        if v == c and type(v) is type(c):
+            return c
+    raise ConfigError(key, v, " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices))
+
+
+def path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v.strip() or "\0" in v):
+        raise ConfigError(key, v, f"a {what} path (string, no NUL bytes) or null")
+    return (os.path.expanduser(v) if expand else v) if v else None
+
+
+def url_problem(u: str, cluster: bool) -> str | None:
+    """What the remote tier could not use in one url (None: nothing); it takes host, port and db."""
+    if "\0" in u:
+        return "a NUL byte"
+    try:
+        s = urlsplit(u)
+    except ValueError as e:  # e.g. an unclosed [ipv6
+        return str(e)
+    hostport = s.netloc.rsplit("]", 1)[-1]
+    port = hostport.rsplit(":", 1)[1] if ":" in hostport else ""
+    db = s.path[1:] if s.path.startswith("/") else s.path
+    if not s.hostname:
+        return "no host"
+    if port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        return f"port {port!r} is not an integer in [1, 65535]"
+    if db and not (db.isascii() and db.isdigit()):
+        return f"db {db!r} is not an integer >= 0"
+    if cluster and db and int(db) != 0:
+        return f"db {db}: a cluster has db 0 only"
+    if s.query or s.fragment:
+        return "a query or fragment (?..., #...), which the remote tier would ignore"
+    return None
+
+
+def remote_url(key: str, v: Any, cluster: bool):
+    urls = v if isinstance(v, list) else [v]
+    if v is None:
+        return None
+    if not urls or (isinstance(v, list) and not cluster and len(urls) != 1):
+        raise ConfigError(key, v, "one redis:// or rediss:// url (a list of seed nodes only with cluster: true)")
+    for u in urls:
+        if isinstance(u, str) and "@" in u:
+            raise ConfigError(key, "<a url with credentials>", "a url without credentials: they come from the "
+                              "environment only (KVSTORE_REDIS_USERNAME, KVSTORE_REDIS_PASSWORD)")
+        allowed = "redis://host[:port][/db] or rediss://... (port 1-65535, db an integer >= 0; a list with " \
+                  "cluster: true), or null"
+        if not isinstance(u, str) or not u.startswith(("redis://", "rediss://")):
+            raise ConfigError(key, u, allowed)
+        why = url_problem(u, cluster)
+        if why:
+            raise ConfigError(key, u, allowed, why)
+    return list(urls) if isinstance(v, list) else v
