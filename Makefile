@@ -15,12 +15,12 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test bench clean redis-server
+.PHONY: install test bench clean redis-server native-deps peers
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(VPY) $(SOURCES)
+$(STAMP): $(VPY) $(SOURCES) | native-deps
 	$(PIP) install torch==2.13.0
 	$(PIP) install "scikit-build-core>=0.10" "nanobind>=2.0"
 	$(PIP) install --no-build-isolation -e ".[test,$(VLLM_EXTRA)]"
@@ -30,6 +30,16 @@ $(STAMP): $(VPY) $(SOURCES)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# the NVMe engine's OS libraries (csrc/blockio): io_uring (liburing-dev) and xxh3 (libxxhash-dev).
+# Best effort: without them the module builds its thread-pool path and takes checksums from Python.
+native-deps:
+	@{ [ -e /usr/include/liburing.h ] && [ -e /usr/include/xxh_x86dispatch.h ]; } || { \
+		echo "installing liburing-dev and libxxhash-dev (Debian packages) for the NVMe engine"; \
+		if [ "$$(id -u)" = 0 ]; then apt-get install -y -q liburing-dev libxxhash-dev >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q liburing-dev libxxhash-dev >/dev/null; }; \
+		else sudo -n apt-get install -y -q liburing-dev libxxhash-dev >/dev/null; fi; } || \
+		echo "WARNING: no liburing-dev/libxxhash-dev: the NVMe engine uses its thread pool and Python checksums"
 
 # the remote tier's tests start their own redis-server processes (loopback ports, temp folders)
 redis-server:

@@ -1,0 +1,326 @@
+"""The batched block-file engine (kvstore/tiers/blockio.py, csrc/blockio/): the files it writes are
+the tier's files (same bytes, header, modes, mtime; read back by the tier and by the restart scan),
+it reads the tier's files, and every damage is the same counted, removed miss as in the tier's own
+read. Both backends (io_uring where the kernel allows it, the thread pool always), both layouts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+
+import numpy as np
+import pytest
+
+from kvstore import failpoints, fileformat as ff
+from kvstore.memory import alloc_aligned
+from kvstore.tiers import blockio
+from kvstore.tiers.folder import probe_xattr
+from kvstore.tiers.nvme import NvmeTier
+
+pytestmark = pytest.mark.skipif(not blockio.available(), reason=f"kvstore._blockio not built: {blockio.native_error()}")
+
+BLOCK = 64 << 10
+NS = b"N" * 16
+BACKENDS = ["threads"] + (["io_uring"] if blockio.available() and blockio._native.HAVE_URING else [])
+HEADERS = ["inline"] + (["xattr"] if probe_xattr(os.environ.get("TMPDIR", "/tmp")) else [])
+
+
+class Clock:
+    t = 1_700_000_000.25
+
+    def __call__(self):
+        return self.t
+
+
+def tier(path, header, block=BLOCK, ns=NS, clock=None):
+    return NvmeTier(path=path, namespace=ns, capacity_bytes=256 * (block + 8192), ttl_s=None, policy="lru",
+                    block_bytes=block, header=header, clock=clock or Clock())
+
+
+def rows(n, block=BLOCK, seed=0):
+    mm, flat = alloc_aligned(n * ff.round_up(block))
+    r = flat.reshape(n, ff.round_up(block))
+    r[:] = np.random.default_rng(seed).integers(0, 256, r.shape, dtype=np.uint8)
+    return mm, r
+
+
+def keys(n, seed=0):
+    rng = np.random.default_rng(seed + 1000)
+    return [rng.integers(0, 256, 16, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def put(t, bio, ks, src):
+    es = t.reserve(ks)
+    oks = bio.write(t, es, list(src)) if bio is not None else [t.write(e, s) for e, s in zip(es, src)]
+    t.commit(es, oks)
+    return oks
+
+
+def get(t, bio, ks, out):
+    es = t.acquire(ks)
+    oks = bio.read(t, es, list(out)) if bio is not None else [t.read(e, o) for e, o in zip(es, out)]
+    t.release(es, oks)
+    return oks
+
+
+@pytest.fixture(params=BACKENDS)
+def bio(request):
+    b = blockio.BlockIO(request.param, depth=4)
+    assert b.backend == request.param
+    yield b
+    b.close()
+
+
+@pytest.mark.skipif(not blockio.checksum_native(), reason="built without libxxhash: checksums come from Python")
+def test_xxh3_is_the_file_formats_checksum():
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 3, 16, 17, 128, 129, 240, 241, 1000, 4096, 65536 + 7, 2 << 20):
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        assert blockio._native.xxh3_64(b) == ff.checksum(b), n
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_engine_files_are_the_tiers_files(tmp_path, bio, header):
+    """Same key, same bytes, one file by the tier, one by the engine: identical but for the created
+    time (and the header checksum over it); the tier reads the engine's, the engine the tier's."""
+    a, b = tier(tmp_path / "a", header), tier(tmp_path / "b", header)
+    ks = keys(9)  # more than the depth: the engine refills
+    mm, src = rows(9)
+    assert put(a, None, ks, src) == [True] * 9 and put(b, bio, ks, src) == [True] * 9
+    assert bio.stats["engine_writes"] == 9 and bio.stats["tier_writes"] == 0
+    for k in ks:
+        pa, pb = a.path_of(k), b.path_of(k)
+        sa, sb = os.stat(pa), os.stat(pb)
+        assert (sa.st_size, stat.S_IMODE(sa.st_mode), sa.st_mtime) == (sb.st_size, 0o600, Clock.t)
+        da, db = pa.read_bytes(), pb.read_bytes()
+        if header == "xattr":
+            da, db = os.getxattr(pa, ff.XATTR) + da, os.getxattr(pb, ff.XATTR) + db
+        ha, hb = ff.unpack_header(da), ff.unpack_header(db)
+        assert ha.checksum == hb.checksum and ha.key == hb.key == k and ha.payload_len == hb.payload_len
+        same = lambda d: d[:40] + d[48:80] + d[88:]  # noqa: E731  (created, header checksum)
+        assert same(da) == same(db)
+    assert not os.listdir(b.tmp)  # no temp file left
+    ma, out_a = rows(9, seed=7)
+    mb, out_b = rows(9, seed=8)
+    assert get(a, bio, ks, out_a) == [True] * 9 and get(b, None, ks, out_b) == [True] * 9
+    assert bio.stats["engine_reads"] == 9 and bio.stats["tier_reads"] == 0
+    assert np.array_equal(out_a[:, :BLOCK], src[:, :BLOCK]) and np.array_equal(out_b[:, :BLOCK], src[:, :BLOCK])
+    b.close()
+    again = tier(tmp_path / "b", header)  # the restart scan takes every file
+    assert again.stats["scanned"] == 9 and again.stats["dropped_at_scan"] == 0
+    for t in (a, again):
+        t.close()
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_a_read_touches_the_file_with_the_hit_time(tmp_path, bio, header):
+    clock = Clock()
+    t = tier(tmp_path, header, clock=clock)
+    ks = keys(3)
+    mm, src = rows(3)
+    put(t, bio, ks, src)
+    clock.t = Clock.t + 500.5
+    mo, out = rows(3, seed=9)
+    assert get(t, bio, ks, out) == [True] * 3
+    assert {os.stat(t.path_of(k)).st_mtime for k in ks} == {Clock.t + 500.5}
+    t.close()
+
+
+def _flip(p, off):
+    with open(p, "r+b") as f:
+        f.seek(off)
+        c = f.read(1)
+        f.seek(off)
+        f.write(bytes([c[0] ^ 0x5A]))
+
+
+def _foreign(tmp_path, header, key, src, dst):
+    other = tier(tmp_path / "foreign", header, ns=b"F" * 16)
+    put(other, None, [key], src)
+    p = other.path_of(key)
+    shutil.copyfile(p, dst)
+    if header == "xattr":
+        os.setxattr(dst, ff.XATTR, os.getxattr(p, ff.XATTR))
+    other.close()
+
+
+def _damage(kind, header, p, tmp_path, key, src):
+    hdr = ff.HEADER_BYTES if header == "inline" else 0
+    if kind == "payload":
+        _flip(p, hdr + 123)
+    elif kind == "truncate":
+        os.truncate(p, p.stat().st_size - 4096)
+    elif kind == "extend":
+        with open(p, "ab") as f:
+            f.write(b"\0" * 4096)
+    elif kind == "empty":
+        os.truncate(p, 0)
+    elif kind == "header":
+        if header == "inline":
+            _flip(p, 30)
+        else:
+            h = bytearray(os.getxattr(p, ff.XATTR))
+            h[30] ^= 0x5A
+            os.setxattr(p, ff.XATTR, bytes(h))
+    elif kind == "foreign":
+        _foreign(tmp_path, header, key, src, p)
+    elif kind == "fifo":
+        p.unlink()
+        os.mkfifo(p, 0o600)
+    elif kind == "symlink":
+        outside = tmp_path / "outside"
+        outside.write_bytes(b"keep")
+        p.unlink()
+        p.symlink_to(outside)
+
+
+DAMAGE = {"payload": "bad_checksum", "truncate": "truncated", "extend": "bad_size", "empty": "truncated",
+          "header": "bad_header", "foreign": "foreign", "fifo": "not_a_file", "symlink": "open_failed"}
+
+
+@pytest.mark.parametrize("header", HEADERS)
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damage_is_the_tiers_counted_removed_miss(tmp_path, bio, header, kind):
+    """The same damage in two folders: the tier's own read and the engine's give the same verdict."""
+    verdicts = []
+    for who in ("tier", "engine"):
+        t = tier(tmp_path / who, header)
+        ks = keys(6)
+        mm, src = rows(6)
+        put(t, bio, ks, src)
+        p = t.path_of(ks[2])
+        _damage(kind, header, p, tmp_path / who, ks[2], src[2:3])
+        mo, out = rows(6, seed=9)  # page aligned: the engine takes every block
+        oks = get(t, bio if who == "engine" else None, ks, out)
+        assert oks == [True, True, False, True, True, True]
+        assert t.stats["corrupt"] == 1
+        assert not os.path.lexists(p)  # removed: the name itself, never what a symlink points at
+        if kind == "symlink":
+            assert (tmp_path / who / "outside").read_bytes() == b"keep"
+        good = [0, 1, 3, 4, 5]
+        assert np.array_equal(out[good, :BLOCK], src[good, :BLOCK])
+        if who == "engine":
+            assert bio.stats["engine_reads"] == 5 and bio.stats["tier_reads"] == 1
+        verdicts.append(dict(t.corrupt_reasons))
+        t.close()
+    expect = DAMAGE[kind]
+    if kind == "fifo" and verdicts[0] == {"open_failed": 1}:
+        expect = "open_failed"  # O_DIRECT: opening a FIFO is EINVAL before fstat could say what it is
+    assert verdicts == [{expect: 1}, {expect: 1}]
+
+
+def _both(tmp_path, bio, header, n, damage, op):
+    """Store ``n`` blocks in two folders, damage both alike, then ``op`` ("get" or "put" of fresh
+    keys) through the tier's own path in one and the engine in the other: (oks, stats, reasons) each."""
+    seen = []
+    for who in ("tier", "engine"):
+        t = tier(tmp_path / who, header)
+        ks = keys(n)
+        mm, src = rows(n)
+        if op == "get":
+            put(t, bio, ks, src)
+        damage(t, ks, tmp_path / who)
+        mo, out = rows(n, seed=9)
+        b = bio if who == "engine" else None
+        oks = get(t, b, ks, out) if op == "get" else put(t, b, ks, src)
+        if op == "get":
+            good = [i for i, o in enumerate(oks) if o]
+            assert np.array_equal(out[good, :BLOCK], src[good, :BLOCK]), "wrong bytes served"
+        seen.append((oks, dict(t.stats), dict(t.corrupt_reasons), sorted(os.listdir(t.tmp))))
+        t.close()
+    assert seen[0] == seen[1]
+    assert bio.stats["engine_" + ("reads" if op == "get" else "writes")] > 0  # the engine took the good ones
+    return seen[1]
+
+
+def _planted_leaf_symlink(t, ks, where):
+    leaf = t.path_of(ks[1]).parent
+    shutil.move(leaf, where / "moved")
+    leaf.symlink_to(where / "moved")  # a fan-out folder swapped for a symlink to a valid one
+
+
+def test_a_file_gone_is_a_miss_and_a_planted_leaf_symlink_is_never_followed(tmp_path, bio):
+    def damage(t, ks, where):
+        t.path_of(ks[0]).unlink()
+        _planted_leaf_symlink(t, ks, where)
+
+    oks, stats, reasons, _ = _both(tmp_path, bio, "inline", 3, damage, "get")
+    assert oks == [False, False, True] and stats["missing"] >= 1
+    for who in ("tier", "engine"):
+        assert (tmp_path / who / "moved").is_dir()  # not followed into, not removed
+
+
+def _loose_modes(t, ks, where):
+    os.chmod(t.path_of(ks[0]), 0o644)  # ours, readable by others: the tier fixes it
+    os.chmod(t.path_of(ks[1]), 0o666)  # writable by others: never served
+    os.chmod(t.path_of(ks[2]).parent, 0o755)
+
+
+def test_loose_modes_get_the_tiers_verdict(tmp_path, bio):
+    oks, stats, reasons, _ = _both(tmp_path, bio, "inline", 4, _loose_modes, "get")
+    assert oks[1] is False and oks[3] is True
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_a_write_in_the_way_gets_the_tiers_handling(tmp_path, bio, header):
+    def damage(t, ks, where):
+        bad = t.path_of(ks[3]).parent
+        bad.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        bad.write_bytes(b"not a folder")  # the leaf folder's name is taken by a file
+        t.path_of(ks[1]).parent.mkdir(parents=True, mode=0o700)
+        t.path_of(ks[1]).mkdir(mode=0o700)  # a folder planted at a block path
+
+    oks, stats, reasons, tmp = _both(tmp_path, bio, header, 5, damage, "put")
+    assert oks[0] and oks[2] and oks[4] and not tmp  # no temp file left
+
+
+def test_a_full_disk_shrinks_the_tier_as_the_tiers_own_write(tmp_path, bio):
+    t = tier(tmp_path / "t", "inline")
+    ks = keys(4)
+    mm, src = rows(4)
+    put(t, bio, ks[:2], src[:2])
+    cap = t.index.capacity
+    failpoints.arm("nvme.write=enospc*1")  # armed: every block goes through the tier's own write
+    try:
+        oks = put(t, bio, ks[2:], src[2:])
+    finally:
+        failpoints.clear()
+    assert oks == [False, True] and t.stats["disk_full"] == 1 and t.index.capacity < cap
+    t.close()
+
+
+def test_checksums_from_python_when_the_engine_has_none(tmp_path, bio, monkeypatch):
+    """A build without libxxhash: the wrapper hashes, the engine only writes and reads."""
+    monkeypatch.setattr(blockio, "checksum_native", lambda: False)
+    t = tier(tmp_path / "t", "inline")
+    ks = keys(4)
+    mm, src = rows(4)
+    assert put(t, bio, ks, src) == [True] * 4
+    _flip(t.path_of(ks[1]), ff.HEADER_BYTES + 5)
+    mo, out = rows(4, seed=9)
+    assert get(t, bio, ks, out) == [True, False, True, True] and t.corrupt_reasons == {"bad_checksum": 1}
+    assert bio.stats["engine_writes"] == 4 and bio.stats["engine_reads"] == 3
+    assert np.array_equal(out[0, :BLOCK], src[0, :BLOCK])
+    t.close()
+
+
+def test_unaligned_or_codec_blocks_take_the_tiers_path(tmp_path, bio):
+    t = tier(tmp_path / "t", "inline", block=5000)  # padded to 8 KiB: a 5,000-byte row is too short
+    ks = keys(3)
+    src = np.random.default_rng(3).integers(0, 256, (3, 5000), dtype=np.uint8)
+    assert put(t, bio, ks, src) == [True] * 3
+    out = np.zeros_like(src)
+    assert get(t, bio, ks, out) == [True] * 3 and np.array_equal(out, src)
+    assert bio.stats["engine_writes"] == bio.stats["engine_reads"] == 0
+    t.close()
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="auto, io_uring or threads"):
+        blockio._native.Engine("fast", 4)
+    e = blockio.BlockIO("threads", 2)
+    assert e.reason == "threads asked for"
+    e.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        e.write(None, [], [])
