@@ -384,14 +384,18 @@ def test_symlinked_block_file_is_ignored_at_scan(make_store, outside):
     target = outside / "valid-copy.kvb"
     shutil.move(p, target)
     p.symlink_to(target)
+    before = target.read_bytes()
     s2 = nvme_only(make_store)
     assert len(s2.nvme) == 1 and read_n(s2, keys) == 1
-    assert target.exists() and p.is_symlink()  # neither followed nor deleted through
-    # a new write of that key replaces the link, not the file it points to
-    before = target.read_bytes()
+    assert corrupt(s2, "symlink") == 1  # counted once: the link itself is unlinked, never followed
+    assert not os.path.lexists(p) and target.read_bytes() == before
+    # the key stays storable: a new write lands in the folder, not in the file the link named
     assert s2.put(keys[1:], blocks_for(keys[1:])) == 1
     assert not p.is_symlink() and target.read_bytes() == before
     assert read_n(s2, keys) == 2
+    check_store(s2)
+    s2.close()
+    assert corrupt(nvme_only(make_store), "symlink") == 0  # not counted again at the next start
 
 
 def _key_with_prefix(hexprefix: str, i: int) -> bytes:
@@ -409,12 +413,15 @@ def test_symlinked_fanout_folder_is_never_followed(make_store, outside):
     (root / "ab").symlink_to(outside / "ab")
     s2 = nvme_only(make_store)
     assert len(s2.nvme) == 0 and read_n(s2, [ka]) == 0
-    # writes do not go through the link either
+    assert corrupt(s2, "not_a_folder") == 1 and not (root / "ab").is_symlink()  # the link is unlinked
+    # writes do not go through the link either: they make a real folder, and the keys stay storable
     kc = _key_with_prefix("abcd", 3)
-    assert s2.put([kc], blocks_for([kc])) == 0
+    assert s2.put([kc, ka], blocks_for([kc, ka])) == 2
     assert sorted(p.name for p in (outside / "ab" / "cd").iterdir()) == sorted(
         [ka.hex() + ".kvb", kb.hex() + ".kvb"])
-    assert s2.nvme.stats["write_failed"] == 1
+    assert (root / "ab").is_dir() and not (root / "ab").is_symlink() and _mode(root / "ab") == 0o700
+    assert read_n(s2, [kc, ka]) == 2 and s2.nvme.stats["write_failed"] == 0
+    check_store(s2)
 
 
 def test_fanout_folder_swapped_for_a_symlink_while_running(make_store, outside):
@@ -429,6 +436,10 @@ def test_fanout_folder_swapped_for_a_symlink_while_running(make_store, outside):
     assert (outside / "cd" / (ka.hex() + ".kvb")).exists()  # nor deleted through it
     s.nvme.remove([kb])
     assert read_n(s, [kb]) == 0
+    # the next write of a key there replaces the link (counted once) and writes in a real folder
+    assert s.put([ka], blocks_for([ka])) == 1 and corrupt(s, "not_a_folder") == 1
+    assert not leaf.is_symlink() and read_n(s, [ka]) == 1
+    assert sorted(p.name for p in (outside / "cd").iterdir()) == [ka.hex() + ".kvb"]  # untouched
 
 
 def test_symlink_in_tmp_is_unlinked_not_followed(make_store, outside):

@@ -11,8 +11,9 @@ at start-up from the headers only, oldest first (file mtime = the entry's last a
 tier's clock), within capacity. O_DIRECT is used where the file system takes it (buffers are
 page aligned: DRAM slots directly, else a bounce buffer).
 
-The folder's safety (no symlink followed, private modes, the probes) is :mod:`.folder`; the
-start-up scan is :mod:`.nvmescan`; this module is the medium: write, read, free.
+The folder's safety (no symlink followed, private modes, the probes) is :mod:`.folder`; a file's
+checks and the start-up scan are :mod:`.nvmescan`; this module is the medium: write, read, free,
+and a capacity lowered by a full disk or a read-only file system (probed again later).
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ from kvstore import failpoints, fileformat as ff
 from kvstore.codecs import Codec, CodecError
 from kvstore.index import Entry
 from kvstore.memory import alloc_aligned, as_bytes as _as_bytes, is_aligned
-from kvstore.tiers.base import Tier
-from kvstore.tiers.folder import (DIR_FLAGS, O_CLOEXEC, O_DIRECT, O_NOFOLLOW, O_NONBLOCK, check_folder,
-                                  mkdir_private, open_subdir, probe_o_direct, probe_xattr)
+from kvstore.tiers.base import Reservation, Tier
+from kvstore.tiers.folder import (DIR_FLAGS, O_CLOEXEC, O_DIRECT, O_NOFOLLOW, O_NONBLOCK, NotOurs, check_folder,
+                                  free_bytes, mkdir_private, open_subdir, probe_o_direct, probe_writable, probe_xattr)
 from kvstore.tiers.nvmescan import NvmeScan
 
 log = logging.getLogger(__name__)
+
+PROBE_AFTER_S = 60.0  # a capacity lowered by a full disk or a read-only file system is probed again after this
+DISK_FULL, READ_ONLY = "disk_full", "read_only"
 
 
 class NvmeTier(NvmeScan, Tier):
@@ -69,30 +73,29 @@ class NvmeTier(NvmeScan, Tier):
         self.root = base / (f"kvstore-{self.namespace.hex()[:16]}" + ("-x" if self.header == "xattr" else ""))
         mkdir_private(self.root)
         self._root_fd = os.open(self.root, DIR_FLAGS)
-        owner = os.fstat(self._root_fd).st_uid
-        if owner != os.geteuid():
+        self.uid = os.geteuid()
+        st = os.fstat(self._root_fd)
+        if st.st_uid != self.uid:
             self.close()
-            raise OSError(errno.EPERM, f"refusing a cache folder owned by uid {owner}: {self.root}")
+            raise OSError(errno.EPERM, f"refusing a cache folder owned by uid {st.st_uid}: {self.root}")
         os.chmod(self._root_fd, 0o700)
+        self.stats.update({"scanned": 0, "dropped_at_scan": 0, "tmp_removed": 0, "missing": 0,
+                           "modes_fixed": int(stat.S_IMODE(st.st_mode) != 0o700), "read_only": 0})
+        self.corrupt_reasons: dict[str, int] = {}
         self.tmp = self.root / "tmp"
-        self._tmp_fd = open_subdir(self._root_fd, "tmp", create=True)
-        os.chmod(self._tmp_fd, 0o700)
-        if o_direct == "auto":
-            self.o_direct = probe_o_direct(self.root)
-        elif o_direct:
-            self.o_direct = probe_o_direct(self.root)
-            if not self.o_direct:
-                log.warning("kvstore nvme: o_direct requested but %s does not support it; using buffered I/O",
-                            self.root)
-        else:
-            self.o_direct = False
+        self._tmp_fd = self._subdir(self._root_fd, "tmp", True)
+        self.o_direct = bool(o_direct) and probe_o_direct(self.root)  # "auto" or True: where it works
+        if o_direct and o_direct != "auto" and not self.o_direct:
+            log.warning("kvstore nvme: o_direct requested but %s does not support it; using buffered I/O", self.root)
         self.padded = ff.round_up(self.payload_max)
         self.file_bytes = self.file_bytes_for(self.payload_max)  # the largest file (exact if fixed_size)
         self.entry_bytes = self.file_bytes  # reserved per write; a smaller (zstd) file gives the rest back
         self._tls = threading.local()
         self._seq = count()
-        self.stats.update({"scanned": 0, "dropped_at_scan": 0, "tmp_removed": 0, "missing": 0})
-        self.corrupt_reasons: dict[str, int] = {}
+        self.configured_capacity = self.index.capacity
+        self.fault: str | None = None  # DISK_FULL or READ_ONLY while the capacity is lowered (_lower_capacity)
+        self._probe_at = float("inf")
+        self._unremoved: set[bytes] = set()  # files a read-only file system kept (removed once writable)
         if scan:
             self.scan()
 
@@ -121,9 +124,9 @@ class NvmeTier(NvmeScan, Tier):
         if self._root_fd < 0:
             raise OSError(errno.EBADF, "nvme tier is closed")
         h = key.hex()
-        d1 = open_subdir(self._root_fd, h[:2], create)
+        d1 = self._subdir(self._root_fd, h[:2], create)
         try:
-            return open_subdir(d1, h[2:4], create)
+            return self._subdir(d1, h[2:4], create)
         finally:
             os.close(d1)
 
@@ -184,7 +187,11 @@ class NvmeTier(NvmeScan, Tier):
                 os.utime(fd, (t, t))
             finally:
                 os.close(fd)
-            os.rename(tmp, name, src_dir_fd=self._tmp_fd, dst_dir_fd=leaf)
+            try:
+                os.rename(tmp, name, src_dir_fd=self._tmp_fd, dst_dir_fd=leaf)
+            except IsADirectoryError:  # a folder planted at the block path: counted, moved aside
+                self._bad(leaf, name, "not_a_file", "a folder at a block path")
+                os.rename(tmp, name, src_dir_fd=self._tmp_fd, dst_dir_fd=leaf)
             if fbytes != entry.nbytes:
                 self._resize(entry, fbytes)
             return True
@@ -195,7 +202,9 @@ class NvmeTier(NvmeScan, Tier):
             except OSError:
                 pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                self._shrink_after_full_disk(entry)
+                self._lower_capacity(entry, DISK_FULL)
+            elif e.errno == errno.EROFS:
+                self._lower_capacity(entry, READ_ONLY)
             else:
                 log.warning("kvstore nvme write failed for %s: %s", name, e)
             return False
@@ -203,16 +212,55 @@ class NvmeTier(NvmeScan, Tier):
             if leaf >= 0:
                 os.close(leaf)
 
-    def _shrink_after_full_disk(self, failed: Entry) -> None:
-        """A full disk degrades to a smaller cache: cap capacity at what is held now (without the
-        entry that failed, which its caller aborts; other writes in flight stay counted)."""
+    # -- a full disk or a read-only file system: a smaller cache, probed again later ----------------
+    def _lower_capacity(self, failed: Entry | None, why: str) -> None:
+        """Cap capacity at what is held now (without the entry that failed, which its caller
+        aborts; writes in flight stay counted); read-only: no reservation either (no eviction can
+        make room). One warning an episode; probed again ``PROBE_AFTER_S`` later (tier's clock)."""
         with self.lock:
-            mine = failed.nbytes if self.index.entries.get(failed.key) is failed else 0
-            new_cap = max(0, self.index.used - mine)
-            if new_cap < self.index.capacity:
-                log.warning("kvstore nvme: disk full; capacity lowered from %d to %d bytes", self.index.capacity, new_cap)
-                self.index.capacity = new_cap
-        self.count("disk_full")
+            mine = failed.nbytes if failed is not None and self.index.entries.get(failed.key) is failed else 0
+            new_cap = min(self.index.capacity, max(0, self.index.used - mine))
+            first = self.fault != why
+            if first:
+                self.fault, self._probe_at = why, self.clock() + PROBE_AFTER_S
+                log.warning("kvstore nvme: %s; capacity lowered from %d to %d bytes (probed again every %.0f s)",
+                            "disk full" if why == DISK_FULL else "read-only file system", self.index.capacity,
+                            new_cap, PROBE_AFTER_S)
+            self.index.capacity = new_cap
+        self.count(why)
+
+    def _probe(self) -> None:
+        """Past the probe time: grow back to the configured capacity as far as the file system now
+        takes (a file can be created; 90 % of its free space), else probe again later."""
+        with self.lock:
+            if self.fault is None or self.clock() < self._probe_at:
+                return
+            self._probe_at = self.clock() + PROBE_AFTER_S  # one prober at a time
+        if not probe_writable(self._tmp_fd):
+            return
+        room = free_bytes(self._root_fd) * 9 // 10
+        with self.lock:
+            cap = max(self.index.capacity, min(self.configured_capacity, self.index.used + room))
+            if cap > self.index.capacity:
+                log.info("kvstore nvme: writable again; capacity raised from %d to %d bytes",
+                            self.index.capacity, cap)
+                self.index.capacity = cap
+            self.fault = None if cap >= self.configured_capacity else DISK_FULL
+            gone, self._unremoved = self._unremoved, set()
+        for key in gone:  # files a read-only file system kept (removed now, unless stored again)
+            self._free(Entry(key=key, nbytes=0, last_access=0.0, expire_at=0.0))
+
+    def begin_reserve(self, keys, ttl: float | None = None) -> Reservation:
+        """:meth:`Tier.begin_reserve`, nothing while the file system is read-only (probed again
+        now and then, see :meth:`_lower_capacity`)."""
+        if self.fault is not None:
+            self._probe()
+            if self.fault == READ_ONLY:  # capacity: what it holds (writes that failed are aborted by now)
+                with self.lock:
+                    self.index.capacity = min(self.index.capacity, self.index.used)
+                self.count("skipped_read_only", len(keys))
+                return Reservation([None] * len(keys))
+        return super().begin_reserve(keys, ttl)
 
     def read(self, entry: Entry, out) -> bool:
         hdr, bounce = self._bufs()
@@ -227,8 +275,8 @@ class NvmeTier(NvmeScan, Tier):
         except FileNotFoundError:
             self.count("missing")
             return False
-        except OSError as e:  # a planted symlink or non-folder
-            self._bad_count("open_failed", f"{name}: {e}")
+        except OSError as e:  # a planted symlink or non-folder, another user's folder
+            self._bad_count("foreign_owner" if isinstance(e, NotOurs) else "open_failed", f"{name}: {e}")
             return False
         try:
             try:
@@ -244,11 +292,13 @@ class NvmeTier(NvmeScan, Tier):
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise ff.BadBlockFile("not_a_file")
+                if self._check_owner(fd, st):
+                    self.count("modes_fixed")
                 if st.st_size > self.file_bytes or (self.fixed_size and st.st_size != self.file_bytes):
                     raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size",
                                           f"{st.st_size} bytes")
                 h = self._header_of(fd)
-                n = _pread_all(fd, [dst] if self.header == "xattr" else [hdr, dst], st.st_size)
+                n = os.preadv(fd, [dst] if self.header == "xattr" else [hdr, dst], 0)
                 if n != st.st_size:
                     raise ff.BadBlockFile("truncated", f"read {n} bytes")
                 if self.header == "inline":
@@ -282,40 +332,6 @@ class NvmeTier(NvmeScan, Tier):
             out[: self.block_bytes] = bounce[: self.block_bytes]
         return True
 
-    def _header_of(self, fd: int) -> ff.Header | None:
-        """An "xattr" file's header (None for inline files, read with the payload)."""
-        if self.header != "xattr":
-            return None
-        try:
-            return ff.unpack_header(os.getxattr(fd, ff.XATTR))
-        except OSError as e:
-            raise ff.BadBlockFile("bad_header", f"no header attribute ({e.strerror})") from None
-
-    def _check(self, h: ff.Header, key: bytes) -> None:
-        if h.fingerprint != self.namespace:
-            raise ff.BadBlockFile("foreign")
-        if h.key != key:
-            raise ff.BadBlockFile("wrong_key")
-        if h.codec_id != self.codec_id:
-            raise ff.BadBlockFile("foreign", "codec differs")
-        ok_len = h.payload_len == self.payload_max if self.fixed_size else 0 < h.payload_len <= self.payload_max
-        if not ok_len:
-            raise ff.BadBlockFile("foreign", f"payload of {h.payload_len} bytes")
-
-    def _bad_count(self, reason: str, detail: str) -> None:
-        with self.lock:
-            self.stats["corrupt"] += 1
-            self.corrupt_reasons[reason] = self.corrupt_reasons.get(reason, 0) + 1
-        log.warning("kvstore nvme: dropping a block file (%s)", detail)
-
-    def _bad(self, dir_fd: int, name: str, reason: str, detail: str) -> None:
-        """Count a bad file and remove it (the name itself: a symlink is unlinked, never followed)."""
-        self._bad_count(reason, f"{name}: {detail}")
-        try:
-            os.unlink(name, dir_fd=dir_fd)
-        except OSError:
-            pass
-
     def _free(self, entry: Entry) -> None:
         # Under the lock, and only if the key has not been reserved again meanwhile: otherwise a
         # late free of an evicted entry could delete the file of a fresh write of the same key.
@@ -334,7 +350,12 @@ class NvmeTier(NvmeScan, Tier):
             except FileNotFoundError:
                 pass
             except OSError as e:
-                log.warning("kvstore nvme: could not remove %s: %s", entry.key.hex(), e)
+                if e.errno != errno.EROFS:
+                    log.warning("kvstore nvme: could not remove %s: %s", entry.key.hex(), e)
+                    return
+                if len(self._unremoved) < 1 << 16:  # beyond: the next start-up scan
+                    self._unremoved.add(entry.key)
+                self._lower_capacity(None, READ_ONLY)
             finally:
                 os.close(leaf)
 
@@ -366,7 +387,3 @@ def _pwrite_all(fd: int, bufs: list, total: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n
-
-
-def _pread_all(fd: int, bufs: list, total: int) -> int:
-    return os.preadv(fd, bufs, 0)
