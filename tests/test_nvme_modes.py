@@ -5,16 +5,21 @@ Real files, real chmod/chown (the chown cases need root and skip without it)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstore.config import ConfigError
+from kvstore.tiers import NvmeTier
 
-from conftest import blocks_for, check_store, make_keys, nvme_files
+from conftest import BLOCK, blocks_for, check_store, make_keys, nvme_files
 from test_nvme_files import M, _key_with_prefix, _mode, nvme_only, read_n
 
 NOBODY = 65534
@@ -202,3 +207,88 @@ def test_another_users_folder_while_running_is_moved_aside_by_the_next_write(mak
     assert not any(d.name.startswith(".discard.") for d in leaf.parent.iterdir())
     assert read_n(s2, [ka]) == 1 and read_n(s2, [kb]) == 0
     assert nvme_files(s2) == [s2.nvme.path_of(ka)]
+
+
+# -- a store that is not root: what it cannot remove is moved aside ---------------------------------
+
+
+def _as_nobody(fn) -> dict:
+    """Run ``fn()`` in a forked child whose uid is ``nobody`` (the interpreter is loaded already:
+    nobody cannot read root's Python); its dict comes back through a pipe."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, json.dumps({"error": repr(e)}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = json.loads(f.read() or b"{}")
+    os.waitpid(pid, 0)
+    assert "error" not in out, out
+    return out
+
+
+def test_a_non_root_store_moves_aside_what_it_cannot_remove(clock):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to play both users")
+    base = Path(tempfile.mkdtemp(prefix="kvs-nobody-", dir="/tmp"))  # /tmp: sticky, reachable by nobody
+    os.chown(base, NOBODY, NOBODY)
+    ka, kb = _key_with_prefix("abcd", 1), _key_with_prefix("1234", 2)
+
+    def tier():
+        return NvmeTier(path=base / "c", namespace=b"u" * 16, capacity_bytes=1 << 20, ttl_s=None, policy="lru",
+                        block_bytes=BLOCK, clock=clock, header="inline")
+
+    def store():
+        t = tier()
+        n = t.put([ka, kb], blocks_for([ka, kb]))
+        t.close()
+        return {"stored": n, "root": str(t.root)}
+
+    def reopen():
+        t = tier()
+        got = {"corrupt": dict(t.corrupt_reasons), "held": len(t)}
+        got["stored"] = t.put([ka, kb], blocks_for([ka, kb]))
+        out = np.zeros((2, BLOCK), np.uint8)
+        got["served"] = sum(t.get([ka, kb], out))
+        got["right"] = bool(np.array_equal(out, blocks_for([ka, kb])))
+        t.close()
+        return got
+
+    warm = NvmeTier(path=base / "warm", namespace=b"w" * 16, capacity_bytes=1 << 20, ttl_s=None, policy="lru",
+                    block_bytes=BLOCK, clock=clock, header="inline")  # every lazy import done here, as root
+    warm.put([ka], blocks_for([ka]))
+    warm.get([ka], np.zeros((1, BLOCK), np.uint8))
+    warm.close()
+    shutil.rmtree(base / "warm")
+    try:
+        root = Path(_as_nobody(store)["root"])
+        # root plants what nobody cannot remove: a full folder at kb's block path, a fan-out folder of its own
+        pb = root / "12" / "34" / (kb.hex() + ".kvb")
+        pb.unlink()
+        pb.mkdir(mode=0o700)
+        (pb / "x").write_bytes(b"root's")
+        shutil.rmtree(root / "ab")
+        (root / "ab" / "cd").mkdir(parents=True, mode=0o700)
+        (root / "ab" / "cd" / "y").write_bytes(b"root's")
+        first = _as_nobody(reopen)
+        assert first["corrupt"] == {"not_a_file": 1, "foreign_owner": 1} and first["held"] == 0
+        assert first["stored"] == 2 and first["served"] == 2 and first["right"]
+        aside = sorted(p.name.split(".")[2] for p in root.rglob(".discard.*"))
+        assert aside == sorted(["ab", kb.hex()])  # moved aside, whole and untouched
+        assert (pb.parent / [p for p in os.listdir(pb.parent) if p.startswith(".discard.")][0] / "x").exists()
+        again = _as_nobody(reopen)  # not counted again, not renamed again, both keys served
+        assert again["corrupt"] == {} and again["held"] == 2 and again["stored"] == 0 and again["right"]
+        assert sorted(p.name.split(".")[2] for p in root.rglob(".discard.*")) == aside
+    finally:
+        shutil.rmtree(base)
