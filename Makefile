@@ -41,6 +41,21 @@ native-deps:
 		else sudo -n apt-get install -y -q liburing-dev libxxhash-dev >/dev/null; fi; } || \
 		echo "WARNING: no liburing-dev/libxxhash-dev: the NVMe engine uses its thread pool and Python checksums"
 
+# The benchmark's peer (DESIGN.md section 11): LMCache 0.5.6 in its own venv, never in the test
+# venv (a plain install pulls CUDA packages and downgrades numpy): torch, then lmcache without its
+# dependencies, then the pure-Python modules it imports. `kvstore bench tiers --peer lmcache` runs it.
+PEERS := .venv-peers
+PEERS_PIP := $(PEERS)/bin/python -m pip --disable-pip-version-check -q
+peers: $(PEERS)/.lmcache-installed
+$(PEERS)/.lmcache-installed:
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS_PIP) install torch==2.13.0
+	$(PEERS_PIP) install --no-deps lmcache==0.5.6
+	$(PEERS_PIP) install numpy==2.2.6 numba pyyaml requests sortedcontainers "prometheus_client<=0.24.1" py-cpuinfo \
+		psutil aiohttp cachetools aiofile msgspec pyzmq transformers cryptography
+	$(PEERS)/bin/python -c "import lmcache; from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend; print('lmcache peer installed')"
+	touch $@
+
 # the remote tier's tests start their own redis-server processes (loopback ports, temp folders)
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -59,4 +74,4 @@ bench: $(STAMP)
 		--trace-out out/agent_trace.jsonl
 
 clean:
-	rm -rf build $(VENV) out
+	rm -rf build $(VENV) $(PEERS) out

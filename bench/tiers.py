@@ -37,6 +37,7 @@ YAML (``--config``).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 
@@ -57,7 +58,8 @@ DEFAULTS = {
     "total_mb": 512, "block_tokens": "16,32,128", "layers": 32, "kv_heads": 8, "head_size": 128, "dtype_bytes": 2,
     "batch": 32, "concurrency": "1,4", "io_threads": 4, "repeats": 3, "tiers": "dram,nvme", "codecs": "none",
     "dir": None, "o_direct": "auto", "json": None, "plots": None, "kv_data": "auto",
-    "redis_url": None, "redis_timeout_ms": 10000,
+    "redis_url": None, "redis_timeout_ms": 10000, "nvme_paths": "store", "engine_backend": "auto",
+    "engine_depth": None, "peer": None,
 }
 
 
@@ -86,6 +88,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="block contents: KV captured from the tiny random-weight Llama, or synthetic normal KV with "
                    "per-head scales (auto: tiny-llama when a codec other than none is measured)")
     p.add_argument("--dir", default=None, help="folder for the NVMe tier (default: a temp folder)")
+    p.add_argument("--nvme-paths", default=None, help="comma list of NVMe paths: store (the store's put/get "
+                   "today), blockio (the batched engine on the tier, kvstore/tiers/blockio.py) (store)")
+    p.add_argument("--engine-backend", default=None, choices=["auto", "io_uring", "threads"],
+                   help="blockio path: io_uring where the kernel allows it, else a thread pool (auto)")
+    p.add_argument("--engine-depth", type=int, default=None,
+                   help="blockio path: block files in flight per caller (default: --io-threads)")
+    p.add_argument("--peer", default=None, choices=["lmcache"], help="also run the peer's local CPU and disk "
+                   "backends on the same bytes, threads and folder, interleaved (its venv: make peers)")
     p.add_argument("--o-direct", default=None, choices=["auto", "true", "false"])
     harness.output_args(p)
 
@@ -161,26 +171,38 @@ def run(a: argparse.Namespace) -> dict:
                              "error": "no redis-server on PATH (install it, or pass --redis-url)"} for c in codecs]
     n_steps = len(block_tokens) * (len(concurrency) * len(tiers) * len(codecs) * a.repeats) + 2
     limits: dict = {}
+    peer, peer_note = None, None
+    if a.peer:
+        from bench.tiers_peer import Peer
+
+        peer = Peer.start(a.peer)
+        if isinstance(peer, str):  # not installed: one line, the rest is measured
+            peer, peer_note = None, peer
+            print(peer_note)
+        else:
+            peer_note = f"{a.peer} {peer.version}"
     try:
         with harness.Progress(n_steps, "bench tiers") as bar:
             _run_all(a, block_tokens, concurrency, tiers, codecs, total, folder, data_notes, results, skipped,
-                     bar, limits)
+                     bar, limits, peer)
     finally:
         if server is not None:
             server.stop()
+        if peer is not None:
+            peer.close()
     folder_ctx.cleanup()
     data = {"limits": limits, "results": results, "skipped": skipped, "kv_data": data_notes,
-            "params": {"kv_data": a.kv_data, "total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
+            "peer": peer_note, "params": {"kv_data": a.kv_data, "total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
                        "dtype_bytes": a.dtype_bytes, "batch": a.batch, "repeats": a.repeats,
                        "io_threads": a.io_threads, "block_tokens": block_tokens, "concurrency": concurrency,
-                       "codecs": codecs, "tiers": tiers,
+                       "codecs": codecs, "tiers": tiers, "nvme_paths": a.nvme_paths,
                        **({"redis": "--redis-url" if a.redis_url else "private redis-server",
                            "redis_timeout_ms": a.redis_timeout_ms} if "remote" in tiers else {})}}
     return harness.report(a, data, render, plot)
 
 
 def _run_all(a, block_tokens, concurrency, tiers, codecs, total, folder, data_notes, results, skipped, bar,
-             limits: dict) -> None:
+             limits: dict, peer=None) -> None:
     # the dd-style reference limits (one big buffer; DESIGN.md section 6), for the header
     mem = memcpy_gbps(total)
     bar.advance()
@@ -197,17 +219,31 @@ def _run_all(a, block_tokens, concurrency, tiers, codecs, total, folder, data_no
             data_notes.append(what)
         _m2, oflat = alloc_aligned(n * bb)
         out = oflat.reshape(n, bb)
-        for tier in tiers:
-            for codec in codecs:
-                for c in concurrency:
-                    row = measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar)
-                    if "error" in row:
-                        skipped.append(row)
-                    else:
-                        results.extend(row["rows"])
+        shared = None
+        if peer is not None:  # the same bytes, for the peer's process
+            dtype = {1: "uint8", 2: "float16", 4: "float32"}[a.dtype_bytes]
+            shared = peer.share(src, [2, a.layers, bt, a.kv_heads * a.head_size], dtype)
+        try:
+            for tier in tiers:
+                for codec in codecs:
+                    for c in concurrency:
+                        row = measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar,
+                                      peer if tier != "remote" else None)
+                        if "error" in row:
+                            skipped.append(row)
+                        else:
+                            results.extend(row["rows"])
+                            skipped.extend(row.get("errors", []))
+        finally:
+            if shared is not None:
+                os.unlink(shared)
         del src, out, flat, oflat
-        _m1.close()
-        _m2.close()
+        gc.collect()  # a failed measurement's traceback may still hold views of the buffers
+        for m in (_m1, _m2):
+            try:
+                m.close()
+            except BufferError:  # still viewed: unmapped with its last view
+                pass
 
 
 def main(argv=None) -> dict:

@@ -80,3 +80,29 @@ def not_measured(tier: str, codec: str, block_tokens: int, threads: int, e: Exce
     """The skipped row of a measurement that failed (e.g. a codec the store does not implement)."""
     return {"tier": tier, "codec": codec, "block_tokens": block_tokens, "concurrency": threads,
             "error": f"{type(e).__name__}: {e}"}
+
+
+def cpu_s() -> float:
+    """This process's CPU seconds so far, every thread (user + system)."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def put_then_get(put, get, keys: list[bytes], src: np.ndarray, out: np.ndarray, batch: int, threads: int,
+                 codec: str) -> dict:
+    """``put`` then ``get`` every block from ``threads`` callers: wall seconds, latencies, this
+    process's CPU seconds (a figure a busy machine moves less than the wall time), what came back
+    and whether its bytes are right (``verified``: True, None for a lossy codec in bound, False)."""
+    c0 = cpu_s()
+    put_s, put_lat = run_op(put, keys, src, batch, threads)
+    c1 = cpu_s()
+    out[:] = 0
+    got: list[int] = []
+    c2 = cpu_s()
+    get_s, get_lat = run_op(get, keys, out, batch, threads, got)
+    c3 = cpu_s()
+    ok = verify(out, src, codec) if got[-1] == len(keys) else False
+    return {"put_s": put_s, "put_lat": put_lat, "put_cpu": c1 - c0, "get_s": get_s, "get_lat": get_lat,
+            "get_cpu": c3 - c2, "verified": ok, "got": got[-1]}

@@ -18,15 +18,31 @@ def render(data: dict) -> str:
         head += f"Block contents: {what}.\n"
     head += ("ratio = GB/s / limit. comp = raw bytes / bytes the tier holds for them (files at their real size); "
              "cap x = blocks per GB vs codec none on the same tier.\n")
+    results = data["results"]
     rows = [{**r, "mib": r["block_bytes"] / 2**20,
              "ok": {True: "yes", False: "NO", None: "lossy, in bound"}[r["verified"]]
              + ("" if r.get("get_returned_min") in (None, r.get("blocks")) else
-                f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in data["results"]]
+                f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in results]
     cols = ["tier", "op", "codec", "block_tokens", "mib", "concurrency", "gbps", "limit", "limit_gbps", "ratio",
             "comp_ratio", "capacity_gain", "p50_ms", "p99_ms", "ok"]
-    out = head + "\n" + markdown_table(rows, cols, ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s",
-                                                    "limit", "limit GB/s", "ratio", "comp", "cap x", "p50 ms",
-                                                    "p99 ms", "bytes ok"])
+    names = ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s", "limit", "limit GB/s", "ratio", "comp",
+             "cap x", "p50 ms", "p99 ms", "bytes ok"]
+    if any(r.get("path", "store") != "store" for r in results):
+        for r in rows:
+            r["via"] = {"store": "kvstore", "blockio": f"kvstore blockio ({r.get('engine', '')})"}.get(
+                r.get("path", "store"), r.get("path"))
+        cols.insert(1, "via")
+        names.insert(1, "store")
+        cols.insert(cols.index("p50_ms"), "cpu_us_blk")
+        names.insert(names.index("p50 ms"), "CPU us/blk")
+    out = head + "\n" + markdown_table(rows, cols, names)
+    peer = peer_table(results)
+    if peer:
+        out += (f"\n\nkvstore beside {data.get('peer') or 'the peer'} (its local CPU / disk backend, O_DIRECT on, driven "
+                "as its StorageManager drives them; same bytes, threads, folder; interleaved, rotated order each "
+                "repeat). Each store's ratio is to the same row's limit; x = kvstore GB/s / LMCache GB/s.\n\n" + peer)
+    if data.get("peer") and not peer:
+        out += f"\n\nPeer: {data['peer']}"
     remote = [r for r in data["results"] if r["tier"] == "remote"]
     if remote:
         out += ("\n\nremote: limit = raw pipelined SET PX / GETEX PX of values of the store's size (block + "
@@ -41,11 +57,53 @@ def render(data: dict) -> str:
         notes = []
         for s in data["skipped"]:
             k = (s["tier"], s["codec"])
+            if s.get("path"):
+                k = (s["tier"], s["codec"], s["path"])
             if k not in seen:
                 seen.add(k)
-                notes.append(f"- {s['tier']} codec {s['codec']}: not measured ({s['error']})")
+                notes.append(f"- {s['tier']}{' ' + s['path'] if s.get('path') else ''} codec {s['codec']}: not "
+                             f"measured ({s['error']})")
         out += "\n\nSkipped:\n" + "\n".join(notes)
     return out
+
+
+def peer_table(results: list[dict]) -> str:
+    """One line per (tier, op, block, threads) with the peer measured: both stores' GB/s and ratios."""
+    keyf = lambda r: (r["tier"], r["op"], r["block_tokens"], r["concurrency"])  # noqa: E731
+    groups: dict = {}
+    for r in results:
+        if r.get("codec", "none") == "none":
+            groups.setdefault(keyf(r), {})[r.get("path", "store")] = r
+    lines = []
+    for (tier, op, bt, c), g in groups.items():
+        lm = g.get("lmcache")
+        if lm is None or "store" not in g:
+            continue
+        kv, bio = g["store"], g.get("blockio")
+        line = {"tier": tier, "op": op, "block_tokens": bt, "mib": kv["block_bytes"] / 2**20, "concurrency": c,
+                "limit": kv["limit"], "limit_gbps": kv["limit_gbps"], "kv": kv["gbps"], "kv_ratio": kv["ratio"],
+                "lm": lm["gbps"], "lm_ratio": lm["ratio"], "x": kv["gbps"] / lm["gbps"] if lm["gbps"] else None,
+                "kv_cpu": kv.get("cpu_us_blk"), "lm_cpu": lm.get("cpu_us_blk"),
+                "ok": "yes" if kv["verified"] and lm["verified"] else "NO"}
+        if bio is not None:
+            line.update({"bio": bio["gbps"], "bio_ratio": bio["ratio"],
+                         "bio_x": bio["gbps"] / lm["gbps"] if lm["gbps"] else None})
+        lines.append(line)
+    if not lines:
+        return ""
+    cols = ["tier", "op", "block_tokens", "mib", "concurrency", "limit", "limit_gbps", "kv", "kv_ratio"]
+    names = ["tier", "op", "tokens/blk", "MiB/blk", "threads", "limit", "limit GB/s", "kvstore GB/s", "ratio"]
+    if any("bio" in ln for ln in lines):
+        cols += ["bio", "bio_ratio"]
+        names += ["blockio GB/s", "ratio"]
+    cols += ["lm", "lm_ratio", "x"]
+    names += ["LMCache GB/s", "ratio", "kvstore x"]
+    if any("bio" in ln for ln in lines):
+        cols.append("bio_x")
+        names.append("blockio x")
+    cols += ["kv_cpu", "lm_cpu"]
+    names += ["kvstore CPU us/blk", "LMCache CPU us/blk"]
+    return markdown_table(lines, cols + ["ok"], names + ["bytes ok"])
 
 
 def plot(data: dict, folder: str) -> list[str]:
@@ -56,7 +114,7 @@ def plot(data: dict, folder: str) -> list[str]:
         return figs.paths
     fig, axes = plt.subplots(len(tiers), 1, figsize=(11, 3.6 * len(tiers)), squeeze=False)
     for ax, tier in zip(axes[:, 0], tiers):
-        rows = [r for r in data["results"] if r["tier"] == tier]
+        rows = [r for r in data["results"] if r["tier"] == tier and r.get("path", "store") == "store"]
         labels = [f"{r['op']} {r['block_tokens']}t x{r['concurrency']}"
                   + ("" if r["codec"] == "none" else f"\n{r['codec']}") for r in rows]
         x = np.arange(len(rows))
@@ -74,7 +132,8 @@ def plot(data: dict, folder: str) -> list[str]:
         for op in ("put", "get"):
             for c in sorted({r["concurrency"] for r in data["results"]}):
                 rows = sorted([r for r in data["results"] if r["tier"] == tier and r["op"] == op
-                               and r["concurrency"] == c and r["codec"] == "none"], key=lambda r: r["block_tokens"])
+                               and r["concurrency"] == c and r["codec"] == "none" and r.get("path", "store") == "store"],
+                              key=lambda r: r["block_tokens"])
                 if not rows:
                     continue
                 xs = [r["block_tokens"] for r in rows]

@@ -64,6 +64,30 @@ def test_tiers_small(tmp_path, capsys):
     assert "| tier | op | codec |" in text and "ratio" in text
 
 
+def test_tiers_nvme_paths_store_and_blockio_share_each_limit(tmp_path):
+    """--nvme-paths store,blockio: today's store and the batched engine (kvstore/tiers/blockio.py), the
+    same bytes, folder and repeats, each row beside the same limit; bytes verified on both."""
+    from kvstore.tiers import blockio
+
+    if not blockio.available():
+        pytest.skip(f"kvstore._blockio not built: {blockio.native_error()}")
+    data = tiers.run(_args(tiers, ["--total-mb", "8", "--block-tokens", "16", "--layers", "2", "--concurrency", "1,2",
+                                   "--repeats", "2", "--batch", "4", "--tiers", "nvme", "--nvme-paths", "store,blockio",
+                                   "--dir", str(tmp_path)]))
+    rows = data["results"]
+    assert {(r["path"], r["op"], r["concurrency"]) for r in rows} == {
+        (p, o, c) for p in ("store", "blockio") for o in ("put", "get") for c in (1, 2)}
+    for r in rows:
+        assert r["verified"] is True and r["get_returned_min"] == r["blocks"]
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"]) and len(r["gbps_runs"]) == 2
+        assert r["cpu_us_blk"] > 0
+        twin = next(t for t in rows if t["op"] == r["op"] and t["concurrency"] == r["concurrency"] and t is not r)
+        assert twin["limit_runs"] == r["limit_runs"]  # one limit per round for both paths
+    assert all(r["engine"].startswith(("io_uring", "threads")) for r in rows if r["path"] == "blockio")
+    assert "kvstore blockio (" in tiers.render(data)
+    assert not list(tmp_path.glob("*/kvstore-*/*/*/*.kvb"))  # each path's files removed after its round
+
+
 def test_tiers_codec_hook_reports_what_it_cannot_measure(tmp_path):
     data = tiers.run(_args(tiers, ["--total-mb", "4", "--block-tokens", "16", "--layers", "1", "--concurrency", "1",
                                    "--repeats", "1", "--batch", "4", "--tiers", "dram", "--codecs", "none,nonsense",

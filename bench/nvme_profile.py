@@ -1,0 +1,225 @@
+"""Where the time goes per NVMe block today: the real ``NvmeTier.write``/``read`` driven through a
+store (``store.put``/``store.get``, its I/O pool) with every syscall and the checksum of
+kvstore/tiers/nvme.py and folder.py timed per thread (the modules' ``os`` and ``ff`` swapped for
+timing proxies for the run; nothing of the tier changes). Beside it, the same run's O_DIRECT
+limit (bench/limits.py: the same rows, one block per I/O, at the store's I/O parallelism).
+
+    python -m bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3
+
+Per block, in microseconds: each call's time summed over the threads that made it (so with 4 I/O
+threads the sum exceeds the wall time), the wall time per block, and the limit's time per block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from bench import stores
+from bench.limits import odirect_rows_s, run_threads
+from bench.tiers_ops import run_op
+from kvstore import fileformat as ff
+from kvstore.keys import ModelFingerprint, chain_keys
+from kvstore.memory import alloc_aligned
+from kvstore.tiers import folder as folder_mod, nvme as nvme_mod
+
+_TIMED = ("open", "close", "pwritev", "preadv", "setxattr", "getxattr", "utime", "rename", "fstat", "mkdir",
+          "unlink", "chmod")
+
+
+class _Clock:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.t = defaultdict(float)
+        self.n = defaultdict(int)
+
+    def add(self, name: str, dt: float) -> None:
+        with self.lock:
+            self.t[name] += dt
+            self.n[name] += 1
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.add(name, time.perf_counter() - t)
+        return timed
+
+
+class _Proxy:
+    """A module whose named functions are timed; the rest pass through."""
+
+    def __init__(self, mod, clock: _Clock, names, prefix: str = ""):
+        self._mod = mod
+        for n in names:
+            if hasattr(mod, n):
+                setattr(self, n, clock.wrap(prefix + n, getattr(mod, n)))
+
+    def __getattr__(self, name):
+        return getattr(self._mod, name)
+
+
+def _patch(clock: _Clock):
+    saved = (nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir)
+    nvme_mod.os = _Proxy(os, clock, _TIMED)
+    nvme_mod.ff = _Proxy(ff, clock, ("checksum",))
+    folder_mod.os = _Proxy(os, clock, _TIMED, "dir.")
+    nvme_mod.open_subdir = clock.wrap("open_subdir(total)", folder_mod.open_subdir)
+    return saved
+
+
+def _unpatch(saved) -> None:
+    nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir = saved
+
+
+def profile(block_bytes: int, callers: int, total: int, folder: str, io_threads: int = 4, batch: int = 32,
+            repeats: int = 3) -> dict:
+    n = max(batch, total // block_bytes)
+    _m1, flat = alloc_aligned(n * block_bytes)
+    src = flat.reshape(n, block_bytes)
+    src[:] = np.random.default_rng(0).integers(0, 256, size=block_bytes, dtype=np.uint8)[None, :]
+    src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
+    _m2, oflat = alloc_aligned(n * block_bytes)
+    out = oflat.reshape(n, block_bytes)
+    res = {"put": defaultdict(list), "get": defaultdict(list)}
+    for r in range(repeats):
+        w, rd, _ = odirect_rows_s(folder, src, out, io_threads)
+        res["put"]["limit_us"].append(w / n * 1e6)
+        res["get"]["limit_us"].append(rd / n * 1e6)
+        fp = ModelFingerprint(model=f"prof-{time.perf_counter_ns()}", dtype="uint8", block_size=1, num_layers=1,
+                              num_kv_heads=1, head_size=block_bytes)
+        cfg = {"tiers": {"dram": {"capacity_gb": 0},
+                         "nvme": {"capacity_gb": stores.capacity_gb(2 * n, block_bytes, "nvme"), "ttl_s": None,
+                                  "path": folder, "io_threads": io_threads}}}
+        store = stores.open_store(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=1)
+        keys = chain_keys(store.root, np.arange(n) + r * n, 1)
+        try:
+            for op, fn, rows in (("put", store.put, src), ("get", store.get, out)):
+                clock = _Clock()
+                saved = _patch(clock)
+                try:
+                    wall, _ = run_op(fn, keys, rows, batch, callers)
+                finally:
+                    _unpatch(saved)
+                res[op]["wall_us"].append(wall / n * 1e6)
+                for k, v in clock.t.items():
+                    res[op][k].append(v / n * 1e6)
+                res[op]["_calls"] = {k: c / n for k, c in clock.n.items()}
+            assert np.array_equal(out, src), "bytes differ"
+        finally:
+            store.close(persist=False)
+    return {op: {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in d.items()}
+            for op, d in res.items()}
+
+
+def _print(mib: float, callers: int, p: dict) -> None:
+    for op in ("put", "get"):
+        d = p[op]
+        calls = d.get("_calls", {})
+        parts = [f"{k}={v:.0f}" + (f"(x{calls[k]:.0f})" if calls.get(k, 1) > 1.01 else "")
+                 for k, v in sorted(d.items(), key=lambda kv: -kv[1] if isinstance(kv[1], float) else 0)
+                 if k not in ("wall_us", "limit_us", "_calls")]
+        gb = mib * 2**20 / 1e3
+        print(f"{mib:g} MiB x{callers} {op}: wall {d['wall_us']:.0f} us/blk ({gb / d['wall_us']:.2f} GB/s), "
+              f"limit {d['limit_us']:.0f} us/blk ({gb / d['limit_us']:.2f} GB/s), ratio "
+              f"{d['limit_us'] / d['wall_us']:.2f}; thread-us/blk: " + " ".join(parts))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--block-mib", default="2,16")
+    p.add_argument("--callers", default="1,4")
+    p.add_argument("--total-mb", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--layouts", action="store_true", help="steady-state file layouts instead of the tier profile")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvstore-prof-", dir=a.dir) as d:
+        if a.layouts:
+            for mib in [float(x) for x in a.block_mib.split(",")]:
+                for name, runs in layouts(int(mib * 2**20), a.total_mb << 20, d, a.io_threads, a.repeats).items():
+                    print(f"{mib:g} MiB x{a.io_threads} threads, {name:20s}: GB/s "
+                          + " ".join(f"{g:.2f}" for g, _ in runs) + "; CPU us/blk " + " ".join(f"{c:.0f}" for _, c in runs))
+            return
+        for mib in [float(x) for x in a.block_mib.split(",")]:
+            for c in [int(x) for x in a.callers.split(",")]:
+                _print(mib, c, profile(int(mib * 2**20), c, a.total_mb << 20, d, a.io_threads, repeats=a.repeats))
+
+
+# -- layouts: what one block file per block costs in steady state (a full cache: every new block
+# evicts one), beside a recycled file and a slot in a shared file. Not the tier: plain syscalls
+# from ``threads`` threads, O_DIRECT, the same rows; wall GB/s and this process's CPU per block.
+def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats: int = 3) -> dict:
+    import resource
+
+    n = max(8, total // block_bytes)
+    _m, flat = alloc_aligned(n * block_bytes)
+    src = flat.reshape(n, block_bytes)
+    src[:] = 7
+    d = os.path.join(folder, "layouts")
+    os.makedirs(d, exist_ok=True)
+    direct = os.O_DIRECT
+    old = [os.path.join(d, f"old{i}") for i in range(n)]
+    slab = os.path.join(d, "slab")
+
+    def setup():
+        for p in old:
+            fd = os.open(p, os.O_CREAT | os.O_WRONLY | direct, 0o600)
+            os.pwrite(fd, src[0], 0)
+            os.close(fd)
+        fd = os.open(slab, os.O_CREAT | os.O_WRONLY | direct, 0o600)
+        for i in range(n):
+            os.pwrite(fd, src[0], i * block_bytes)
+        os.close(fd)
+
+    def fresh(i):  # today: a new file (temp name, rename), the victim's file unlinked
+        tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
+        os.pwrite(fd, src[i], 0)
+        os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
+        os.close(fd)
+        os.rename(tmp, dst)
+        os.unlink(old[i])
+
+    def recycled(i):  # the victim's file renamed to a temp name, overwritten in place, renamed
+        tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
+        os.rename(old[i], tmp)
+        fd = os.open(tmp, os.O_WRONLY | direct)
+        os.pwrite(fd, src[i], 0)
+        os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
+        os.close(fd)
+        os.rename(tmp, dst)
+
+    sfd = [-1]
+
+    def slot(i):  # several blocks per file: a slot of one preallocated file, overwritten
+        os.pwrite(sfd[0], src[i], i * block_bytes)
+
+    out: dict = defaultdict(list)
+    for _ in range(repeats):
+        for name, fn in (("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot)):
+            setup()
+            sfd[0] = os.open(slab, os.O_WRONLY | direct)
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            wall = run_threads(lambda rows: [fn(i) for i in rows], [range(t, n, threads) for t in range(threads)])
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            os.close(sfd[0])
+            cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+            out[name].append((n * block_bytes / wall / 1e9, cpu / n * 1e6))
+            for p in os.listdir(d):
+                os.unlink(os.path.join(d, p))
+    return dict(out)
+
+
+if __name__ == "__main__":
+    main()
