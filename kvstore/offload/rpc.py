@@ -2,8 +2,16 @@
 
 vLLM's multiprocess executor runs the worker (which owns the store) in another process than
 the scheduler. The worker serves :class:`~kvstore.offload.client.LocalClient`'s calls on
-``<tmp>/kvstore-<uid>/<name>.sock`` (folder 0700, socket 0600); the scheduler's
-:class:`RemoteClient` makes them. JSON only (keys as hex): nothing received is unpickled.
+``<folder>/<name>.sock`` (socket 0600 in a folder of this uid, 0700, checked by
+:mod:`kvstore.offload.sockdir`); the scheduler's :class:`RemoteClient` makes them. JSON only
+(keys as hex): nothing received is unpickled.
+
+Only this uid is served (``SO_PEERCRED``; the client checks the server's uid too). Each
+connection gets its own LocalClient: the handles it pins are its own and are released when it
+closes. A connection idle ``IDLE_S`` or a frame not whole ``FRAME_S`` after its first byte is
+dropped; at most ``MAX_CONNECTIONS`` are served at once, more are closed at once, in the accepting
+thread (300 stalled clients held 305 threads; now 64 at most, each for at most 2 x ``FRAME_S``
+with half a frame sent, or ``IDLE_S`` with none).
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ import os
 import socket
 import socketserver
 import struct
-import tempfile
 import threading
 import time
 
@@ -23,19 +30,27 @@ from kvstore import failpoints
 from kvstore.offload.client import LocalClient
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.shared import SharedStore
+from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
+from kvstore.offload.sockdir import folder_path as _folder_path
 from kvstore.store import PrefixMatch
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
-MAX_MSG = 64 << 20
+MAX_MSG = 64 << 20  # checked before a byte of the body is read; the body is read 1 MiB at a time
+_CHUNK = 1 << 20
+IDLE_S = 120.0  # the server drops a connection with no call this long (the client reconnects first)
+CLIENT_IDLE_S = 60.0  # a client idle this long reconnects before its next call
+FRAME_S = 5.0  # the rest of a frame must arrive this soon after its first byte (a frame is < 1 ms)
+MAX_CONNECTIONS = 64  # a scheduler holds one
+
+
+def socket_name(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:24] + ".sock"  # short: AF_UNIX paths are 108 bytes
 
 
 def socket_path(name: str) -> str:
-    d = os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}")
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    os.chmod(d, 0o700)
-    digest = hashlib.sha256(name.encode()).hexdigest()[:24]  # socket paths are short (108 bytes)
-    return os.path.join(d, f"{digest}.sock")
+    """Where ``name`` is served (for messages; connections go through the checked folder)."""
+    return os.path.join(_folder_path(), socket_name(name))
 
 
 def _send(sock: socket.socket, obj) -> None:
@@ -43,116 +58,223 @@ def _send(sock: socket.socket, obj) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, exact: bool = True) -> bytes:
+    """``n`` bytes, the last by ``deadline``: each read's timeout is what is left (``exact``: to
+    1 ms; the socket's timeout is lowered only once a read took longer, settimeout costing 0.4 us
+    a call), or the socket's own (the last read may end one read timeout past the deadline)."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"kvstore rpc: {len(buf)} of {n} bytes in time")
+            if exact and left < sock.gettimeout() - 0.001:
+                sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), _CHUNK))  # never a buffer for bytes not yet come
         if not chunk:
             raise ConnectionError("kvstore rpc: connection closed")
         buf += chunk
     return bytes(buf)
 
 
-def _recv(sock: socket.socket):
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def _recv(sock: socket.socket, deadline: float | None = None):
+    """One message, whole by ``deadline`` (None: the socket's timeout per read)."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
     if n > MAX_MSG:
         raise ConnectionError(f"kvstore rpc: message of {n} bytes refused")
-    return json.loads(_recv_exact(sock, n))
+    return json.loads(_recv_exact(sock, n, deadline))
+
+
+def _serve_timeouts(sock: socket.socket, s: float) -> None:
+    """Kernel read and write timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket: a read that
+    waits ``s`` raises BlockingIOError, and a read costs what it did without a timeout (Python's
+    own timeouts add a poll per read, 0.9 us, and a settimeout to change one, 0.4 us)."""
+    tv = struct.pack("ll", int(s), int((s - int(s)) * 1e6))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _recv_served(sock: socket.socket, idle_s: float, frame_s: float):
+    """A served connection's next message (its socket set by _serve_timeouts(frame_s)): the
+    first byte may take ``idle_s``, the frame must then be whole within ``frame_s`` (a read
+    begun before that may take ``frame_s`` more: a stalled frame is dropped by 2 x frame_s)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            head = sock.recv(_LEN.size)
+            break
+        except BlockingIOError:  # frame_s without a byte: idle
+            if time.monotonic() - t0 >= idle_s:
+                raise TimeoutError("kvstore rpc: idle") from None
+    if not head:
+        raise ConnectionError("kvstore rpc: connection closed")
+    deadline = time.monotonic() + frame_s
+    (n,) = _LEN.unpack(head + _recv_exact(sock, _LEN.size - len(head), deadline, exact=False))
+    if n > MAX_MSG:
+        raise ConnectionError(f"kvstore rpc: message of {n} bytes refused")
+    return json.loads(_recv_exact(sock, n, deadline, exact=False))
 
 
 def _keys(hexes) -> list[bytes]:
     return [bytes.fromhex(h) for h in hexes]
 
 
+def _serve(c: LocalClient, msg: dict):
+    op, a = msg["op"], msg.get("args", {})
+    if op == "contains_prefix":
+        m = c.contains_prefix(_keys(a["keys"]), a.get("record", False), a.get("num_tokens"), int(a.get("held", 0)))
+        return [m.num_blocks, list(m.tiers), m.miss_reason]
+    if op == "prefetch":
+        return c.prefetch(_keys(a["keys"]))
+    if op == "prefetch_done":
+        return c.prefetch_done(int(a["token"]))
+    if op == "begin_load":
+        hid, n, tiers = c.begin_load(_keys(a["keys"]), a.get("session"), a.get("ttl_s"))
+        return [hid, n, list(tiers)]
+    if op == "end_load":
+        return c.end_load(int(a["handle"]))
+    if op == "record_request":
+        return c.record_request(RequestOutcome.from_json(a["outcome"]))
+    if op == "saves_done":
+        return c.saves_done(str(a["req_id"]), min(1.0, max(0.0, float(a.get("timeout", 0.0)))))
+    if op == "ping":
+        return "pong"
+    raise ValueError(f"unknown op {op!r}")
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        c: LocalClient = self.server.client  # type: ignore[attr-defined]
-        while True:
-            try:
-                msg = _recv(self.request)
-                failpoints.fire("rpc.serve", sock=self.request)
-            except (ConnectionError, OSError, ValueError):
-                return
-            try:
-                op, a = msg["op"], msg.get("args", {})
-                if op == "contains_prefix":
-                    m = c.contains_prefix(_keys(a["keys"]), a.get("record", False), a.get("num_tokens"),
-                                          int(a.get("held", 0)))
-                    res = [m.num_blocks, list(m.tiers), m.miss_reason]
-                elif op == "prefetch":
-                    res = c.prefetch(_keys(a["keys"]))
-                elif op == "prefetch_done":
-                    res = c.prefetch_done(int(a["token"]))
-                elif op == "begin_load":
-                    hid, n, tiers = c.begin_load(_keys(a["keys"]), a.get("session"), a.get("ttl_s"))
-                    res = [hid, n, list(tiers)]
-                elif op == "end_load":
-                    res = c.end_load(int(a["handle"]))
-                elif op == "record_request":
-                    res = c.record_request(RequestOutcome.from_json(a["outcome"]))
-                elif op == "saves_done":
-                    res = c.saves_done(str(a["req_id"]), min(1.0, max(0.0, float(a.get("timeout", 0.0)))))
-                elif op == "ping":
-                    res = "pong"
-                else:
-                    raise ValueError(f"unknown op {op!r}")
-                _send(self.request, {"ok": True, "result": res})
-            except Exception as e:  # a bad call is answered, never kills the server
-                log.warning("kvstore rpc: %s failed: %s", msg.get("op") if isinstance(msg, dict) else "?", e)
+        srv: _Server = self.server  # type: ignore[assignment]
+        c = LocalClient(srv.shared)  # this connection's handles and prefetches
+        try:
+            _serve_timeouts(self.request, min(srv.frame_s, srv.idle_s))
+            while True:
                 try:
-                    _send(self.request, {"ok": False, "error": str(e)})
+                    msg = _recv_served(self.request, srv.idle_s, srv.frame_s)
+                    failpoints.fire("rpc.serve", sock=self.request)
+                except (ConnectionError, OSError, ValueError):  # closed, idle, a stalled frame, not JSON
+                    return
+                try:
+                    reply = {"ok": True, "result": _serve(c, msg)}
+                except Exception as e:  # a bad call is answered, never kills the server
+                    log.warning("kvstore rpc: %s failed: %s", msg.get("op") if isinstance(msg, dict) else "?", e)
+                    reply = {"ok": False, "error": str(e)}
+                try:
+                    _send(self.request, reply)
                 except OSError:
                     return
+        finally:
+            c.close()  # the loads it pinned and the worker did not take are released
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
-    allow_reuse_address = True
+
+    def __init__(self, path: str, shared: SharedStore, idle_s: float, frame_s: float, max_connections: int):
+        self.shared, self.idle_s, self.frame_s, self.max_connections = shared, idle_s, frame_s, max_connections
+        self.live: set[socket.socket] = set()
+        self.refused = {"uid": 0, "full": 0}  # connections closed unserved, by reason
+        self._live_lock = threading.Lock()
+        super().__init__(path, _Handler)
+
+    def verify_request(self, request, client_address) -> bool:  # in the accepting thread: no thread yet
+        try:
+            uid = peer_uid(request)
+        except OSError:  # gone already (an error here would end serve_forever)
+            return False
+        if uid != os.getuid():
+            return self._refuse("uid", f"a client of {who(uid)}; only {who(os.getuid())} is served")
+        with self._live_lock:
+            if len(self.live) < self.max_connections:
+                self.live.add(request)
+                return True
+        return self._refuse("full", f"{self.max_connections} connections are open already")
+
+    def _refuse(self, reason: str, what: str) -> bool:
+        self.refused[reason] += 1
+        if self.refused[reason] == 1:  # once: a flood of them must not flood the log
+            log.warning("kvstore rpc: refused %s (further refusals are counted, not logged)", what)
+        return False
+
+    def shutdown_request(self, request) -> None:  # every end of a connection, served or not
+        with self._live_lock:
+            self.live.discard(request)
+        super().shutdown_request(request)
+
+    def drop_all(self) -> None:
+        with self._live_lock:
+            live = list(self.live)
+        for r in live:  # the handler sees the end and releases the connection's pins
+            try:
+                r.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class StoreServer:
     """Serves a process's store to schedulers in other processes (a daemon thread)."""
 
-    def __init__(self, shared: SharedStore, name: str):
-        self.path = socket_path(name)
+    def __init__(self, shared: SharedStore, name: str, *, idle_s: float = IDLE_S, frame_s: float = FRAME_S,
+                 max_connections: int = MAX_CONNECTIONS):
+        self._dir, folder = open_folder()
+        self._name = socket_name(name)
+        self.path = os.path.join(folder, self._name)
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        old = os.umask(0o177)
-        try:
-            self.server = _Server(self.path, _Handler)
-        finally:
-            os.umask(old)
-        self.server.client = LocalClient(shared)  # type: ignore[attr-defined]
+            try:
+                os.unlink(self._name, dir_fd=self._dir)
+            except FileNotFoundError:
+                pass
+            old = os.umask(0o177)
+            try:
+                self.server = _Server(path_in(self._dir, folder, self._name), shared, idle_s, frame_s,
+                                      max_connections)
+            finally:
+                os.umask(old)
+        except BaseException:
+            os.close(self._dir)
+            raise
         self.thread = threading.Thread(target=self.server.serve_forever, name="kvstore-rpc", daemon=True)
         self.thread.start()
 
+    @property
+    def refused(self) -> dict[str, int]:
+        return self.server.refused
+
     def close(self) -> None:
+        if self._dir < 0:
+            return
         self.server.shutdown()
         self.server.server_close()
+        self.server.drop_all()
         try:
-            os.unlink(self.path)
+            os.unlink(self._name, dir_fd=self._dir)
         except OSError:
             pass
+        os.close(self._dir)
+        self._dir = -1
 
 
 class RemoteClient:
     """The scheduler side's view of a store in another process.
 
-    A call that fails (the socket closed, the worker gone, no answer within ``timeout_s``)
+    A call that fails (the socket closed, the worker gone, no whole answer within ``timeout_s``)
     raises ConnectionError at once, which the planner turns into a miss; the socket is dropped
     and the next call after a back-off (0.1 s doubling to 5 s) connects again. The scheduler
-    never waits on a dead store longer than one timeout.
+    never waits on a dead store longer than one timeout. A store served by another uid, or
+    from a folder that is not private (:mod:`kvstore.offload.sockdir`), is refused: at start-up
+    with SocketTrustError, later as a ConnectionError.
     """
 
     def __init__(self, name: str, connect_timeout_s: float = 120.0, timeout_s: float = 10.0):
+        self._sock_name = socket_name(name)
         self.path = socket_path(name)
         self.timeout_s = timeout_s
         self.sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._backoff = 0.1
         self._retry_at = 0.0
+        self._used = 0.0  # when the socket last answered
         self.failures = 0
         deadline = time.monotonic() + connect_timeout_s
         while True:  # at start-up the worker may not serve yet: wait for it
@@ -166,14 +288,22 @@ class RemoteClient:
                 time.sleep(0.05)
 
     def _connect(self) -> None:
+        fd, folder = open_folder()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self.timeout_s)
-            sock.connect(self.path)
-        except OSError:
+            sock.connect(path_in(fd, folder, self._sock_name))
+            uid = peer_uid(sock)
+            if uid != os.getuid():
+                raise SocketTrustError(f"kvstore rpc: {os.path.join(folder, self._sock_name)} is served by {who(uid)}, "
+                                       f"not by this user, {who(os.getuid())}: refused")
+        except BaseException:
             sock.close()
             raise
+        finally:
+            os.close(fd)
         self.sock = sock
+        self._used = time.monotonic()
 
     def _close_sock(self) -> None:
         if self.sock is not None:
@@ -191,22 +321,30 @@ class RemoteClient:
 
     def _call(self, op: str, **args):
         with self._lock:
+            now, idle = time.monotonic(), False
+            if self.sock is not None and now - self._used > CLIENT_IDLE_S:
+                self._close_sock()  # the server drops it at IDLE_S: a fresh one, not a failed call
+                self._retry_at, idle = 0.0, True
             if self.sock is None:
-                if time.monotonic() < self._retry_at:
+                if now < self._retry_at:
                     raise ConnectionError("kvstore rpc: store unreachable (reconnecting)")
                 try:
                     self._connect()
-                except OSError as e:
+                except (OSError, SocketTrustError) as e:
                     self._drop()
                     raise ConnectionError(f"kvstore rpc: reconnect failed: {e}") from None
-                log.info("kvstore rpc: reconnected to %s", self.path)
+                if not idle:
+                    log.info("kvstore rpc: reconnected to %s", self.path)
             try:
+                if self.sock.gettimeout() != self.timeout_s:  # lowered near a past call's deadline
+                    self.sock.settimeout(self.timeout_s)
                 _send(self.sock, {"op": op, "args": args})
-                r = _recv(self.sock)
+                r = _recv(self.sock, deadline=now + self.timeout_s)
             except (OSError, ValueError) as e:  # ConnectionError and socket timeouts are OSErrors
                 self._drop()
                 raise ConnectionError(f"kvstore rpc {op}: {type(e).__name__}: {e}") from None
             self._backoff = 0.1
+            self._used = time.monotonic()
         if not r.get("ok"):
             raise RuntimeError(f"kvstore rpc {op}: {r.get('error')}")
         return r.get("result")

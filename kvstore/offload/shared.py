@@ -8,6 +8,8 @@ get the same object, so the scheduler's pins protect exactly the bytes the worke
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import threading
 import time
 from collections import deque
@@ -19,10 +21,17 @@ from kvstore.keys import ModelFingerprint
 from kvstore.offload.metrics import OffloadMetrics
 from kvstore.store import KVStore, LoadHandle
 
+log = logging.getLogger(__name__)
 
 # A load is planned in the scheduler step that pinned it; a pin this old was orphaned (e.g. the
 # scheduler's end_load call was lost with its socket) and is released.
 HANDLE_MAX_AGE_S = 300.0
+
+
+def new_id() -> int:
+    """A load handle id or prefetch token: 127 random bits, never 0 (0 is "no handle"), not
+    guessable from another's (ids used to be 1, 2, 3 ...). 0.75 us (getrandom; secrets.randbits: 0.91)."""
+    return int.from_bytes(os.urandom(16), "little") | 1
 
 
 @dataclass
@@ -30,27 +39,50 @@ class SharedStore:
     store: KVStore
     metrics: OffloadMetrics
     handles: dict[int, LoadHandle] = field(default_factory=dict)  # pinned loads, by id
+    owners: dict[int, object] = field(default_factory=dict)  # id -> the client (one per connection) that pinned it
     lock: threading.Lock = field(default_factory=threading.Lock)
     refs: int = 0
-    _next: int = 0
     # per-request outcome of the last lookups: (req_id, prompt tokens, engine-local hit tokens,
     # tokens loaded from kvstore, tiers of the loaded blocks); bounded
     request_log: deque = field(default_factory=lambda: deque(maxlen=4096))
     jobs: Any = None  # the worker's CopyJobs (kvstore.offload.jobs), when it copies asynchronously
 
-    def put_handle(self, h: LoadHandle) -> int:
+    def put_handle(self, h: LoadHandle, owner: object = None) -> int:
+        hid = new_id()
         with self.lock:
-            self._next += 1
-            self.handles[self._next] = h
+            self.handles[hid] = h
+            if owner is not None:
+                self.owners[hid] = owner
             stale = [i for i, x in self.handles.items() if time.perf_counter() - x.started > HANDLE_MAX_AGE_S]
-            old = [self.handles.pop(i) for i in stale]
+            old = [self._pop(i) for i in stale]
         for x in old:  # pinned for a load the scheduler never planned nor dropped (its call failed)
             self.store.end_load(x)
-        return self._next
+        return hid
 
-    def take_handle(self, hid: int) -> LoadHandle | None:
+    def _pop(self, hid: int) -> LoadHandle | None:
+        self.owners.pop(hid, None)
+        return self.handles.pop(hid, None)
+
+    def take_handle(self, hid: int, owner: object = None) -> LoadHandle | None:
+        """The pinned load ``hid``, removed: for the worker (``owner`` None, the id came in a step
+        plan), or for the client that pinned it. Any other client gets None, as for an unknown id."""
         with self.lock:
-            return self.handles.pop(hid, None)
+            if owner is not None and self.owners.get(hid) is not owner:
+                return None
+            return self._pop(hid)
+
+    def release(self, owner: object) -> int:
+        """End the loads ``owner`` pinned that nobody took (its connection closed: a scheduler
+        that died leaves no block pinned). Returns how many."""
+        with self.lock:
+            old = [self._pop(i) for i, o in list(self.owners.items()) if o is owner]
+        for h in old:
+            if h is not None:
+                try:
+                    self.store.end_load(h)
+                except Exception as e:  # the store closed meanwhile (release_shared ended it)
+                    log.debug("kvstore: releasing a pinned load: %s", e)
+        return len(old)
 
 
 _lock = threading.Lock()
@@ -94,9 +126,12 @@ def release_shared(s: SharedStore) -> bool:
         for k, v in list(_shared.items()):
             if v is s:
                 del _shared[k]
-    for h in list(s.handles.values()):
+    with s.lock:  # popped under the lock: a closing connection's release() ends none of them twice
+        old = list(s.handles.values())
+        s.handles.clear()
+        s.owners.clear()
+    for h in old:
         s.store.end_load(h)
-    s.handles.clear()
     s.store.close()
     return True
 
