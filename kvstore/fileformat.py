@@ -6,7 +6,7 @@ Header (little endian)::
     8   I    format version   1
     12  I    header length    4096
     16  I    codec id
-    20  I    flags            0
+    20  I    flags            0; FLAG_MAC (remote values only): an HMAC follows the payload
     24  Q    payload length   bytes that matter (the file is padded past them)
     32  Q    payload checksum xxh3-64 of the payload bytes
     40  d    created          wall-clock seconds
@@ -54,6 +54,10 @@ class Header:
     created: float
     fingerprint: bytes
     key: bytes
+    flags: int = 0
+
+
+FLAG_MAC = 1  # a remote value whose header and payload are followed by their HMAC-SHA256 (kvstore.tiers.remotevalue)
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -67,7 +71,7 @@ def checksum(payload) -> int:
 def pack_header(h: Header, buf) -> None:
     """Write the header into the first HEADER_BYTES of ``buf`` (a writable buffer)."""
     mv = memoryview(buf).cast("B")
-    body = _FMT.pack(MAGIC, VERSION, HEADER_BYTES, h.codec_id, 0, h.payload_len, h.checksum, h.created,
+    body = _FMT.pack(MAGIC, VERSION, HEADER_BYTES, h.codec_id, h.flags, h.payload_len, h.checksum, h.created,
                      h.fingerprint, h.key)
     mv[: len(body)] = body
     mv[len(body): len(body) + 8] = _HCHK.pack(xxhash.xxh3_64_intdigest(body))
@@ -90,14 +94,14 @@ def unpack_header(buf) -> Header:
     if len(mv) < _FMT.size + 8:
         raise BadBlockFile("truncated", "short header")
     body = bytes(mv[: _FMT.size])
-    magic, version, hlen, codec_id, _flags, plen, chk, created, fp, key = _FMT.unpack(body)
+    magic, version, hlen, codec_id, flags, plen, chk, created, fp, key = _FMT.unpack(body)
     if magic != MAGIC:
         raise BadBlockFile("bad_magic")
     if _HCHK.unpack(mv[_FMT.size: _FMT.size + 8])[0] != xxhash.xxh3_64_intdigest(body):
         raise BadBlockFile("bad_header")
     if version != VERSION or hlen != HEADER_BYTES:
         raise BadBlockFile("bad_version", f"version {version}, header {hlen}")
-    return Header(codec_id, plen, chk, created, fp, key)
+    return Header(codec_id, plen, chk, created, fp, key, flags)
 
 
 def file_bytes(payload_len: int) -> int:

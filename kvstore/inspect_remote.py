@@ -35,6 +35,7 @@ from redis.retry import Retry
 from kvstore import fileformat as ff
 from kvstore.codecs.registry import CODEC_NAMES
 from kvstore.inspect_common import count_block, namespace_lines, new_namespace
+from kvstore.tiers.remotevalue import MAC_BYTES
 
 ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
 _NAME = re.compile(rb"kvs:\{([0-9a-f]{32})\.([0-9a-f]{2})\}:([0-9a-f]{32})")
@@ -88,7 +89,7 @@ def _check(value, length: int, ns: bytes, key: bytes) -> tuple[str | None, ff.He
         return "foreign", None
     if h.codec_id not in CODEC_NAMES:
         return "codec", None
-    if h.payload_len != length - ff.HEADER_CORE:
+    if h.payload_len != length - ff.HEADER_CORE - (MAC_BYTES if h.flags & ff.FLAG_MAC else 0):
         return "length", None
     return None, h
 

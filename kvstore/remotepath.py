@@ -51,6 +51,7 @@ class RemotePath:
 
     def _connect_remote(self, rcfg, fingerprint, kv_dtype, group_elems) -> None:
         from kvstore.tiers.remote import RemoteAuthError, RemoteTier, RemoteTLSError, RemoteUnavailable
+        from kvstore.tiers.remotevalue import secrets_from_env
 
         # its namespace, as NVMe's: the model fingerprint + this tier's codec (the same bytes as
         # NVMe's when the codecs match); every engine of one model and codec shares it
@@ -58,11 +59,13 @@ class RemotePath:
             self.root + f"codec={rcfg.codec}".encode()
             + self._codec_geometry_tag(rcfg.codec, fingerprint, kv_dtype, group_elems))
         codec = make_codec(rcfg.codec, self.geometry, rcfg.zstd_level) if rcfg.codec != "none" else None
+        secret, previous = secrets_from_env(os.environ)  # MACs on every value (a ConfigError for a bad one)
         self.remote = RemoteTier(url=rcfg.url, cluster=rcfg.cluster, namespace=self.remote_namespace,
                                  block_bytes=self.block_bytes, ttl_s=rcfg.ttl_s, timeout_ms=rcfg.timeout_ms,
                                  io_threads=rcfg.io_threads, codec=codec, codec_id=CODEC_IDS[rcfg.codec],
                                  username=os.environ.get(ENV_USER) or None,
-                                 password=os.environ.get(ENV_PASSWORD) or None)
+                                 password=os.environ.get(ENV_PASSWORD) or None, secret=secret,
+                                 secret_previous=previous)
         try:
             self.remote.check()
         except (RemoteAuthError, RemoteTLSError):
@@ -82,7 +85,8 @@ class RemotePath:
         pipelines, none when this request's lookup asked a moment ago)."""
         if self.remote is None or n >= len(keys):
             return 0
-        m = self._presence.walk(keys[n:], self.remote.exists)  # one ask per request (see .tiers.presence)
+        with self.remote.deadline():  # the probe and the rest of the prompt: timeout_ms in all
+            m = self._presence.walk(keys[n:], self.remote.exists)  # one ask per request (see .tiers.presence)
         self._sync_remote_metrics()
         return m
 

@@ -205,11 +205,12 @@ def test_prefetch_promotes_remote_blocks_into_dram(pair):
 
 
 def _exists_calls(server) -> int:
-    return int(server.client().info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+    """The lookup's questions: STRLEN (the length before any value is read; issue 29)."""
+    return int(server.client().info("commandstats").get("cmdstat_strlen", {}).get("calls", 0))
 
 
 def test_a_request_asks_redis_once_and_a_miss_asks_a_few_keys(pair, redis_single):  # noqa: F811
-    """The lookup's EXISTS answer is reused by the pin of the same request (the scheduler asks
+    """The lookup's answer (STRLEN) is reused by the pin of the same request (the scheduler asks
     twice, milliseconds apart); a prompt Redis does not hold costs a probe of 16 keys, not 200."""
     a, b = pair
     keys = make_keys(12, seed=21)

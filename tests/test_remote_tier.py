@@ -67,7 +67,9 @@ def test_round_trip_single_one_pipeline(redis_single, monkeypatch):
     assert t.get(keys, outs) == [True] * 64 and pipes.n == 2
     assert all(np.array_equal(o, b) for o, b in zip(outs, blocks))
     stats = redis_single.client().info("commandstats")
-    assert stats["cmdstat_getex"]["calls"] == 64 and stats["cmdstat_set"]["calls"] == 64
+    # length first: GETRANGE up to one byte past the longest value, PEXPIRE for the TTL (no GETEX)
+    assert stats["cmdstat_getrange"]["calls"] == 64 and stats["cmdstat_pexpire"]["calls"] == 64
+    assert stats["cmdstat_set"]["calls"] == 64 and "cmdstat_getex" not in stats
     assert t.stats["hits"] == 64 and t.stats["puts"] == 64 and t.stats["bytes_written"] == 64 * (BB + ff.HEADER_CORE)
     assert redis_single.password not in repr(t) and str(redis_single.port) in repr(t)
     t.close()
@@ -288,7 +290,11 @@ def test_per_command_errors_are_misses_not_an_outage(redis_launcher):
     assert t.get(keys, outs) == oks
     s.client().delete(t.redis_key(keys[0]))
     s.client().rpush(t.redis_key(keys[0]), b"x")  # the wrong type under a block's name: WRONGTYPE
-    assert t.get(keys[:1], outs_for(1)) == [False] and t.stats["errors_get"] == 1 and t.available
+    errors = t.stats["errors_get"]
+    assert t.get(keys[:1], outs_for(1)) == [False] and t.available
+    # a bad value, not a failed command: counted corrupt ("type") and deleted (issue 29: it healed never)
+    assert t.stats["errors_get"] == errors and t.corrupt_reasons == {"type": 1} and t.stats["deleted_corrupt"] == 1
+    assert s.client().exists(t.redis_key(keys[0])) == 0
 
 
 def test_moved_slot_is_a_miss_then_followed(redis_cluster):

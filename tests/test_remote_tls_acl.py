@@ -124,8 +124,10 @@ def test_store_over_tls_as_an_acl_user(tls_server, monkeypatch, tmp_path):
     (one writes, one hits) work through it over TLS; the wrong password is a start-up error."""
     monkeypatch.setenv("SSL_CERT_FILE", tls_server["ca"])
     with tls_server["client"]() as c:
+        # docs/security.md's list: exactly what the tier sends (STRLEN at a lookup, GETRANGE + PEXPIRE at
+        # a load, PTTL without a TTL, SET, DEL of a bad value, SCAN for kvstore inspect)
         c.execute_command("ACL", "SETUSER", "kvs-engine", "reset", "on", ">engine-pw-1", "~kvs:*", "+ping",
-                          "+get", "+getex", "+set", "+exists", "+del", "+unlink", "+scan", "+strlen", "+hello")
+                          "+hello", "+strlen", "+getrange", "+pexpire", "+pttl", "+set", "+del", "+scan")
     monkeypatch.setenv("KVSTORE_REDIS_USERNAME", "kvs-engine")
     monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", "engine-pw-1")
     keys = make_keys(6, seed=41)

@@ -1,0 +1,383 @@
+"""Trust boundaries of the remote tier (issue 29), against real sockets: hostile fake servers on
+loopback (a trickler sending one byte per 150 ms, one sending 2 MiB replies slowly, one that never
+answers, three that answer the handshake wrongly; ``redis_servers.FakeRedis``) and a real
+redis-server shared by stores with and without secrets.
+
+- every call (a lookup through the store, a load, a store, the start-up check, close) ends
+  within 1.5 x timeout_ms, nothing escapes, and the tier backs off (counted);
+- with KVSTORE_REMOTE_SECRET, no block crosses between secrets, a value with a valid header and
+  xxh3 but no (or a wrong) MAC is refused as "unauthenticated" and deleted, and rotation through
+  KVSTORE_REMOTE_SECRET_PREVIOUS works; the secret never shows in logs, reprs or errors;
+- a LIST under a kvstore key heals (counted "type", deleted, stored again);
+- a 64 MiB value is refused without being read (the server's sent bytes are measured)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvstore import fileformat as ff
+from kvstore.config import ConfigError, from_dict
+from kvstore.keys import ModelFingerprint
+from kvstore.store import KVStore
+from kvstore.tiers import remote as remote_mod
+from kvstore.tiers.remote import RemoteTier, RemoteUnavailable
+from kvstore.tiers.remotevalue import MAC_BYTES
+
+from conftest import BLOCK, blocks_for, dram_gb, make_keys
+from redis_servers import MODES, FakeRedis, redis_single  # noqa: F401
+
+T_MS = 200
+BOUND = 1.5 * T_MS / 1000
+FP = ModelFingerprint(model="remote-trust", block_size=16)
+SECRET_A = "a-secret-for-tests-" + "a" * 24
+SECRET_B = "b-secret-for-tests-" + "b" * 24
+
+
+def elapsed(fn, *args, **kw):
+    t0 = time.monotonic()
+    out = fn(*args, **kw)
+    return time.monotonic() - t0, out
+
+
+def _store(url, *, dram: int = 8, password: str | None = None, timeout_ms: int = 5000, **env) -> KVStore:
+    """A store on ``url`` (no NVMe; ``dram`` 0: the remote tier alone; a real server is given a
+    long timeout, a loaded CI machine must not turn its answers into misses). ``env``: secret=,
+    previous=."""
+    saved = {k: os.environ.pop(k, None) for k in ("KVSTORE_REMOTE_SECRET", "KVSTORE_REMOTE_SECRET_PREVIOUS",
+                                                   "KVSTORE_REDIS_PASSWORD")}
+    for k, v in (("KVSTORE_REMOTE_SECRET", env.get("secret")), ("KVSTORE_REMOTE_SECRET_PREVIOUS", env.get("previous")),
+                 ("KVSTORE_REDIS_PASSWORD", password)):
+        if v is not None:
+            os.environ[k] = v
+    try:
+        cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(dram), "pin_memory": False, "ttl_s": None},
+                                   "nvme": {"capacity_gb": 0},
+                                   "remote": {"url": url, "timeout_ms": timeout_ms}}})
+        return KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=16)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def _failures(tier: RemoteTier) -> int:
+    return sum(v for k, v in tier.stats.items() if k.startswith("errors_"))
+
+
+def _retry_now(tier: RemoteTier) -> None:
+    """Wait out the backoff (made 10 ms from now on), so the next call goes to the network again."""
+    tier._backoff = (0.01, 0.01)
+    give_up = time.monotonic() + 5
+    while not tier.available:
+        assert time.monotonic() < give_up
+        time.sleep(0.01)
+
+
+# -- deadlines ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_store_calls_end_by_the_deadline(mode):
+    """Before: the trickler held one lookup for 9.6 s and close() for 3 s (12.4 s with more
+    write-throughs pending), the 2 MiB one a lookup for 80 s; HELLO answered +OK or ':x' raised
+    out of KVStore()."""
+    with FakeRedis(mode) as srv:
+        s = _store(srv.url, timeout_ms=T_MS)  # the start-up check fails: a warning, the store runs on DRAM
+        try:
+            assert s.remote is not None and not s.remote.up
+            keys = make_keys(32, seed=1)
+            out = np.zeros((4, BLOCK), np.uint8)
+            # fresh keys for each (a lookup's "absent" is remembered for a second)
+            for name, op in (("lookup", lambda: s.contains_prefix(keys)), ("load", lambda: s.get(keys[8:12], out)),
+                             ("tier load", lambda: s.remote.get(keys[:4], list(out))),
+                             ("store", lambda: (s.put(keys[16:20], blocks_for(keys[16:20])), s.flush()))):
+                _retry_now(s.remote)
+                n0, f0 = len(srv.commands), _failures(s.remote)
+                dt, got = elapsed(op)
+                assert dt < BOUND, (mode, name, dt)
+                assert len(srv.commands) > n0, (mode, name)  # it did go to the server
+                assert _failures(s.remote) > f0, (mode, name)  # and counted a failure (a bad handshake too)
+            assert got[0] == 4  # the store kept them in DRAM
+            assert s.remote.stats["puts"] == 0 and s.remote.stats["hits"] == 0
+        finally:
+            _retry_now(s.remote)
+            s.put(keys[24:28], blocks_for(keys[24:28]))  # a write-through in flight
+            dt, _ = elapsed(s.close)
+        assert dt < BOUND, (mode, "close", dt)
+        if mode in ("trickle", "slow_big", "silent"):
+            assert s.remote.stats["timeouts"] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tier_calls_end_by_the_deadline(mode):
+    """Each call of the tier itself, the start-up check and a remote-only store's put included."""
+    with FakeRedis(mode) as srv:
+        t = RemoteTier(url=srv.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
+                       timeout_ms=T_MS, io_threads=1, backoff_s=(0.01, 0.01))
+        keys = make_keys(8, seed=2)
+        blocks = list(blocks_for(keys))
+        calls = (("check", t.check), ("exists", lambda: t.exists(keys)),
+                 ("get", lambda: t.get(keys, [np.zeros(BLOCK, np.uint8) for _ in keys])),
+                 ("put", lambda: t.put(keys, blocks)), ("remove", lambda: t.remove(keys)))
+        for name, op in calls:
+            _retry_now(t)
+            f0 = _failures(t)
+            t0 = time.monotonic()
+            try:
+                got = op()
+            except RemoteUnavailable:  # what check() says; nothing else may come out
+                assert name == "check"
+                got = None
+            dt = time.monotonic() - t0
+            assert dt < BOUND, (mode, name, dt)
+            assert got in (None, [False] * 8, 0), (mode, name, got)
+            assert not t.up and (name == "check" or _failures(t) > f0), (mode, name)
+        s = _store(srv.url, dram=0, timeout_ms=T_MS)  # the remote tier alone: put asks, then writes, synchronously
+        try:
+            _retry_now(s.remote)
+            dt, n = elapsed(s.put, keys, blocks_for(keys))
+            assert dt < BOUND and n == 0, (mode, dt, n)
+        finally:
+            s.close()
+        dt, _ = elapsed(t.close)
+        assert dt < BOUND
+
+
+def test_a_call_waits_for_a_pooled_connection_until_its_deadline_only():
+    """One pooled connection, held by something slower than a call (``scan``, which has no
+    deadline: kvstore inspect's): a call waiting for it gives up by its own deadline."""
+    with FakeRedis("trickle") as srv:
+        t = RemoteTier(url=srv.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=None,
+                       timeout_ms=T_MS, io_threads=1, backoff_s=(0.0, 0.0))
+        held = threading.Event()
+        scanning = threading.Thread(target=lambda: (held.set(), pytest.raises(RemoteUnavailable, list, t.scan())))
+        scanning.start()
+        held.wait()
+        time.sleep(0.05)  # the scan holds the connection (its reply trickles in for ~0.6 s)
+        dt, got = elapsed(t.exists, make_keys(4))
+        scanning.join()
+        assert got == [False] * 4 and dt < BOUND, dt
+        t.close()
+
+
+def test_a_cluster_call_is_bounded_as_a_whole():
+    """Two trickling masters: their pipelines run in parallel, one deadline for the call."""
+    with FakeRedis("trickle") as a, FakeRedis("trickle") as b:
+        a.slots = b.slots = [(0, 8191, a.port), (8192, 16383, b.port)]
+        t = RemoteTier(url=[a.url, b.url], cluster=True, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
+                       timeout_ms=T_MS, io_threads=2, backoff_s=(0.01, 0.01))
+        keys = make_keys(64, seed=3)
+        for name, op in (("exists", lambda: t.exists(keys)),
+                         ("get", lambda: t.get(keys, [np.zeros(BLOCK, np.uint8) for _ in keys]))):
+            _retry_now(t)
+            da, db = len(a.data_commands()), len(b.data_commands())
+            dt, got = elapsed(op)
+            assert dt < BOUND and got == [False] * 64, (name, dt)
+            assert len(a.data_commands()) > da and len(b.data_commands()) > db  # both masters were asked
+        dt, _ = elapsed(t.close)
+        assert dt < BOUND
+
+
+def test_a_tls_handshake_that_never_ends_is_bounded():
+    with FakeRedis("silent") as srv:
+        t = RemoteTier(url=f"rediss://127.0.0.1:{srv.port}", cluster=False, namespace=os.urandom(16),
+                       block_bytes=BLOCK, ttl_s=60.0, timeout_ms=T_MS, backoff_s=(0.01, 0.01))
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailable):
+            t.check()
+        assert time.monotonic() - t0 < BOUND
+        _retry_now(t)
+        dt, got = elapsed(t.get, make_keys(2), [np.zeros(BLOCK, np.uint8)] * 2)
+        assert dt < BOUND and got == [False, False]
+        t.close()
+
+
+# -- authenticated values ------------------------------------------------------------------------
+def _served(s: KVStore, keys) -> int:
+    out = np.zeros((len(keys), BLOCK), np.uint8)
+    n = s.get(keys, out)
+    assert np.array_equal(out[:n], blocks_for(keys[:n]))  # what is served is always right
+    return n
+
+
+def _corrupt(s: KVStore, reason: str) -> float:
+    return s.metrics.value("kvstore_corrupt_files_total", tier="remote", reason=reason)
+
+
+def test_no_block_crosses_between_secrets(redis_single, caplog):  # noqa: F811
+    keys = make_keys(12, seed=4)
+    pw = redis_single.password
+    caplog.set_level(logging.DEBUG)
+    a = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)
+    same = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)
+    other = _store(redis_single.url, dram=0, password=pw, secret=SECRET_B)
+    plain = _store(redis_single.url, dram=0, password=pw)
+    try:
+        assert a.put(keys, blocks_for(keys)) == 12
+        assert a.remote.namespace == other.remote.namespace != plain.remote.namespace
+        assert plain.contains_prefix(keys).num_blocks == 0  # a store without a secret does not even see them
+        assert _served(same, keys) == 12  # the same secret: every block
+        assert _served(other, keys) == 0  # another secret: none
+        assert _corrupt(other, "unauthenticated") >= 1
+        c = redis_single.client()
+        gone = [c.exists(a.remote.redis_key(k)) for k in keys]
+        assert gone[0] == 0  # refused values are deleted (the other store's prefix ended at the first)
+        text = caplog.text + repr(a.remote) + repr(a.remote.values) + repr(vars(a.remote))
+        assert SECRET_A not in text and SECRET_B not in text
+    finally:
+        for s in (a, same, other, plain):
+            s.close()
+
+
+def _forge(tier: RemoteTier, key: bytes, block: np.ndarray, *, flags: int, tail: bytes) -> bytes:
+    """A value with a valid header and xxh3 for ``key`` in the tier's namespace, as any writer to
+    Redis can build it from the key name alone."""
+    head = ff.header_bytes(ff.Header(tier.values.codec_id, BLOCK, ff.checksum(block), time.time(), tier.namespace,
+                                     key, flags))
+    return head + block.tobytes() + tail
+
+
+@pytest.mark.parametrize("how", ["no_mac", "random_mac", "mac_unflagged"])
+def test_a_forged_value_is_refused_and_deleted(redis_single, how):  # noqa: F811
+    """Found at the lookup (an unMAC'd value's length) or at the load (the MAC): refused, counted
+    "unauthenticated", deleted; before, a value with a valid header and xxh3 was served."""
+    keys = make_keys(3, seed=5)
+    s = _store(redis_single.url, dram=0, password=redis_single.password, secret=SECRET_A)
+    reader = _store(redis_single.url, dram=0, password=redis_single.password, secret=SECRET_A)
+    try:
+        assert s.put(keys, blocks_for(keys)) == 3
+        c = redis_single.client()
+        name = s.remote.redis_key(keys[1])
+        honest = c.get(name)
+        evil = np.full(BLOCK, 7, np.uint8)
+        if how == "no_mac":  # valid header and xxh3, flags 0, no MAC
+            forged = _forge(s.remote, keys[1], evil, flags=0, tail=b"")
+        elif how == "random_mac":  # flagged, of the right length, a MAC made without the secret
+            forged = _forge(s.remote, keys[1], evil, flags=ff.FLAG_MAC, tail=os.urandom(MAC_BYTES))
+        else:  # the honest value's MAC after an unflagged header: the header is inside the MAC
+            forged = _forge(s.remote, keys[1], blocks_for(keys[1:2])[0], flags=0, tail=honest[-MAC_BYTES:])
+        c.set(name, forged)
+        assert _served(reader, keys) == 1  # the prefix ends at the forged block; nothing wrong is served
+        assert _corrupt(reader, "unauthenticated") == 1 and c.exists(name) == 0
+        assert s.put(keys, blocks_for(keys)) == 1  # stored again (the others are there), served again
+        assert _served(s, keys) == 3
+    finally:
+        s.close()
+        reader.close()
+
+
+def test_rotation_through_the_previous_secret(redis_single):  # noqa: F811
+    keys = make_keys(6, seed=6)
+    pw = redis_single.password
+    old = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)
+    new = _store(redis_single.url, dram=0, password=pw, secret=SECRET_B, previous=SECRET_A)
+    stale = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)
+    phase1 = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A, previous=SECRET_B)
+    try:
+        assert old.put(keys[:3], blocks_for(keys[:3])) == 3
+        assert _served(new, keys[:3]) == 3  # values of the secret being rotated out are still read
+        assert new.put(keys[3:], blocks_for(keys[3:])) == 3
+        assert _served(phase1, keys[3:]) == 3  # phase 1 (old secret, new one accepted) reads the new ones
+        assert _served(stale, keys[3:]) == 0  # an engine that has neither the new secret nor phase 1: refused
+    finally:
+        for s in (old, new, stale, phase1):
+            s.close()
+
+
+def test_secrets_come_only_from_a_sound_environment(redis_single):  # noqa: F811
+    pw = redis_single.password
+    with pytest.raises(ConfigError, match="KVSTORE_REMOTE_SECRET") as ei:
+        _store(redis_single.url, password=pw, secret="short-secret")
+    assert "short-secret" not in str(ei.value)
+    with pytest.raises(ConfigError, match="KVSTORE_REMOTE_SECRET_PREVIOUS") as ei:
+        _store(redis_single.url, password=pw, previous=SECRET_A)
+    assert SECRET_A not in str(ei.value)
+    with pytest.raises(ConfigError, match="tiers.remote"):
+        from_dict({"tiers": {"remote": {"url": "redis://h:1", "secret": SECRET_A}}})
+
+
+def test_one_warning_without_a_secret(redis_single, caplog):  # noqa: F811
+    remote_mod._warned_unauthenticated.clear()
+    caplog.set_level(logging.WARNING, logger="kvstore.tiers.remote")
+    stores = [_store(redis_single.url, password=redis_single.password) for _ in range(2)]
+    for s in stores:
+        s.close()
+    said = [r for r in caplog.records if "trusts every writer" in r.getMessage()]
+    assert len(said) == 1 and "KVSTORE_REMOTE_SECRET" in said[0].getMessage()
+
+
+# -- healing and length first --------------------------------------------------------------------
+def test_a_list_under_a_kvstore_key_heals(redis_single):  # noqa: F811
+    keys = make_keys(4, seed=7)
+    pw = redis_single.password
+    a = _store(redis_single.url, dram=0, password=pw)
+    b = _store(redis_single.url, dram=0, password=pw)
+    try:
+        assert a.put(keys, blocks_for(keys)) == 4
+        c = redis_single.client()
+        name = a.remote.redis_key(keys[2])
+        c.delete(name)
+        c.rpush(name, b"not a block")
+        # found at the lookup: absent there, counted and deleted (before: present, every load failed)
+        assert b.contains_prefix(keys).num_blocks == 2
+        assert _corrupt(b, "type") == 1 and c.exists(name) == 0
+        assert a.put(keys[2:3], blocks_for(keys[2:3])) == 1
+        time.sleep(1.1)  # b's memo of the lookup's "absent" (1 s, kvstore/tiers/presence.py)
+        assert _served(b, keys) == 4
+        # swapped in after the lookup: the load refuses it once, counts it, deletes it
+        h = b.pin_load(keys)
+        assert h.num_blocks == 4
+        c.delete(name)
+        c.rpush(name, b"x")
+        assert b.read_load(h) == 2
+        b.end_load(h)
+        assert _corrupt(b, "type") == 2 and c.exists(name) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_huge_value_is_refused_without_being_read(redis_single):  # noqa: F811
+    keys = make_keys(2, seed=8)
+    t = RemoteTier(url=redis_single.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
+                   timeout_ms=2000, password=redis_single.password)
+    assert t.put(keys, list(blocks_for(keys))) == [True, True]
+    c = redis_single.client()
+    name = t.redis_key(keys[0])
+    c.set(name, b"\0" * (64 << 20))
+
+    def sent() -> int:
+        return int(c.info("stats")["total_net_output_bytes"])
+
+    s0 = sent()
+    outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+    assert t.get(keys, outs) == [False, True] and np.array_equal(outs[1], blocks_for(keys[1:])[0])
+    read = sent() - s0
+    assert read < 1 << 20, read  # the value's length cap (8 KiB + header + 1), not 64 MiB
+    assert t.corrupt_reasons == {"length": 1} and c.exists(name) == 0
+    c.set(name, b"\0" * (64 << 20))
+    s0 = sent()
+    assert t.exists(keys) == [False, True]  # the lookup reads its length only
+    assert sent() - s0 < 1 << 20 and c.exists(name) == 0 and t.corrupt_reasons == {"length": 2}
+    t.close()
+
+
+def test_inspect_reads_macd_values_as_blocks(redis_single):  # noqa: F811
+    """``kvstore inspect`` knows a MAC'd value's length (header + payload + 32 bytes)."""
+    from kvstore.inspect_remote import inspect_remote
+
+    s = _store(redis_single.url, dram=0, password=redis_single.password, secret=SECRET_A)
+    try:
+        keys = make_keys(3, seed=9)
+        assert s.put(keys, blocks_for(keys)) == 3
+        info = inspect_remote(redis_single.url, password=redis_single.password)
+        ns = info["namespaces"][s.remote.namespace.hex()]
+        assert ns["blocks"] == 3 and ns["bad_values"] == 0 and info["bad_values"] == 0
+        assert ns["bytes"] == 3 * (BLOCK + ff.HEADER_CORE + MAC_BYTES)
+    finally:
+        s.close()
