@@ -108,9 +108,8 @@ class RemoteTier:
         self.corrupt_reasons: dict[str, int] = {}
 
     def __repr__(self) -> str:
-        kind = "cluster" if self.cluster else "server"
         mac = " mac" if self.values.authenticated else ""
-        return f"<RemoteTier {kind} {self.url} ns={self.namespace.hex()[:16]}{mac}>"
+        return f"<RemoteTier {'cluster' if self.cluster else 'server'} {self.url} ns={self.namespace.hex()[:16]}{mac}>"
 
     def redis_key(self, key: bytes) -> bytes:
         if len(key) != KEY_BYTES:
@@ -235,8 +234,8 @@ class RemoteTier:
             except Exception as e:  # noqa: BLE001 - whatever the client library raised is a failure here
                 self._down(op, e, len(names))
                 return None
-        failed = [rs for rs in out if any(isinstance(r, Exception) and not _wrongtype(r) for r in rs)]
-        errors = [r for rs in failed for r in rs if isinstance(r, Exception)]
+        errors = [r for rs in out for r in rs if isinstance(r, Exception) and not _wrongtype(r)]
+        failed = [rs for rs in out if any(isinstance(r, Exception) and not _wrongtype(r) for r in rs)] if errors else []
         if any(isinstance(r, (AskError, ClusterDownError)) for r in errors):
             self._refresh = True  # slots moved (MovedError is an AskError) or the cluster is changing
         outage = [r for r in errors if _outage(r)]
@@ -253,12 +252,15 @@ class RemoteTier:
         self.count("timeouts", n if _timeout(e) else 0)
         self.count(f"errors_{op}", n)
 
-    def _bad(self, names: list[bytes], reasons: list[str]) -> None:
-        """Values that are not ours (damaged, forged, foreign, the wrong type or size): counted by
-        reason, then deleted; another engine may have rewritten one since: deleting it costs a
-        miss, never a wrong block."""
+    def _bad(self, bad: list[tuple[bytes, str]]) -> None:
+        """(name, reason) of values that are not ours (damaged, forged, foreign, the wrong type or
+        size): counted by reason, then deleted; another engine may have rewritten one since:
+        deleting it costs a miss, never a wrong block."""
+        if not bad:
+            return
+        names = [name for name, _ in bad]
         with self._lock:
-            for r in reasons:
+            for _, r in bad:
                 self.corrupt_reasons[r] = self.corrupt_reasons.get(r, 0) + 1
         self.count("corrupt", len(names))
         gone = self._call("remove", names, lambda p, i: p.delete(names[i])) or []
@@ -273,12 +275,12 @@ class RemoteTier:
         res = self._call("exists", names, lambda p, i: p.strlen(names[i])) if names else []
         if res is None:
             return [False] * len(keys)
-        why = ["type" if _wrongtype(n) else self.values.length_bad(n) if type(n) is int and n > 0 else "absent"
-               for n, in res]
-        bad = [(name, w) for name, w in zip(names, why) if w not in (None, "absent")]
-        if bad:
-            self._bad([b[0] for b in bad], [b[1] for b in bad])
-        return [w is None for w in why]
+        lo, hi = self.values.value_min, self.values.value_max
+        found = [type(n) is int and lo <= n <= hi for n, in res]
+        if not all(found):
+            self._bad([(name, "type" if _wrongtype(n) else self.values.length_bad(n)) for name, (n,), ok
+                       in zip(names, res, found) if not ok and ((type(n) is int and n > 0) or _wrongtype(n))])
+        return found
 
     def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
         """Fill ``outs[i][:block_bytes]`` for every key found whole; refreshes the TTL of hits.
@@ -301,7 +303,7 @@ class RemoteTier:
         if res is None:
             self.count("misses", len(keys))
             return oks
-        bad, why = [], []
+        bad = []
         for i, (value, there) in enumerate(res):
             if _wrongtype(value):
                 reason = "type"
@@ -315,12 +317,10 @@ class RemoteTier:
                 oks[i] = True
                 self.count("bytes_read", len(value))
             else:
-                bad.append(names[i])
-                why.append(reason)
+                bad.append((names[i], reason))
         self.count("hits", sum(oks))
         self.count("misses", len(oks) - sum(oks))
-        if bad:
-            self._bad(bad, why)
+        self._bad(bad)
         return oks
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray], ttl_s: float | None = None) -> list[bool]:
