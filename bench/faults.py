@@ -27,10 +27,18 @@ of figures:
    off and on, in-process and (long run) multiprocess. ``corrupt_served`` (follow-ups whose
    output differs from vLLM's own prefix cache) and ``poisoned_stores`` (blocks left in the
    store whose KV differs from a clean run's under the same key) must both be 0.
+10. ``trust``      — the trust boundaries of issue 29, tried as an outsider would: hostile Redis
+   servers (a trickler, 2 MiB replies sent slowly, silence, wrong handshakes) against a lookup,
+   a load, a store and close() under timeout_ms 200; forged values in a real redis-server beside
+   a store with KVSTORE_REMOTE_SECRET; another user against the RPC socket (its folder, its
+   peer, its handles); every bad setting of the issue; a LIST and a folder planted where blocks
+   belong. ``trust_stall_ratio`` (the longest call over timeout_ms) must stay <= 1.5;
+   ``trust_escaped``, ``trust_forged_served``, ``trust_hijacks_accepted``,
+   ``trust_bad_settings_accepted``/``_unclear`` and ``trust_heal_failures`` must be 0.
 
 ``--quick`` runs the CI-sized version. ``--json PATH`` writes every figure (the headline ones
 at the top level: crash_cycles, corrupt_reads_served, fuzz_inputs, fuzz_crashes,
-disk_full_engine_errors, shared_wrong_reads, rss_drift_mb, fd_drift).
+disk_full_engine_errors, shared_wrong_reads, rss_drift_mb, fd_drift, and the trust family's).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from bench.fault_families.disk_full import disk_full  # noqa: E402
 from bench.fault_families.fuzz import fuzz  # noqa: E402
 from bench.fault_families.permissions import permissions  # noqa: E402
 from bench.fault_families.sharing import sharing  # noqa: E402
+from bench.fault_families.trust import trust  # noqa: E402
 from bench.report import markdown_table  # noqa: E402
 
 __all__ = ["BAD_CONFIGS", "BAD_TRACE_LINES", "FAMILIES", "FP", "HEADLINE", "REPO", "SIZES", "Hang",
@@ -68,16 +77,19 @@ __all__ = ["BAD_CONFIGS", "BAD_TRACE_LINES", "FAMILIES", "FP", "HEADLINE", "REPO
            "child_main", "churn", "corrupt_total", "corruption", "craft_header", "crash", "damages",
            "disk_full", "fuzz", "get_header", "key_of", "main", "make_config", "open_store", "permissions",
            "problems_of", "proc_sample", "read_check", "run", "set_header", "sharing", "tier_vs_folder",
-           "tmpfs", "verify_recovery", "walk_cache"]
+           "tmpfs", "trust", "verify_recovery", "walk_cache"]
 
 SIZES = {
     "quick": {"crash_cycles": 12, "corruption_rounds": 1, "fuzz_inputs": 20_000, "fuzz_files": 300,
-              "disk_full_mb": 3, "sharing_ops": 400, "churn_ops": 1_500},
+              "disk_full_mb": 3, "sharing_ops": 400, "churn_ops": 1_500, "trust_rounds": 1},
     "long": {"crash_cycles": 220, "corruption_rounds": 6, "fuzz_inputs": 300_000, "fuzz_files": 3_000,
-             "disk_full_mb": 8, "sharing_ops": 4_000, "churn_ops": 15_000},
+             "disk_full_mb": 8, "sharing_ops": 4_000, "churn_ops": 15_000, "trust_rounds": 5},
 }
 HEADLINE = ("crash_cycles", "corrupt_reads_served", "fuzz_inputs", "fuzz_crashes", "disk_full_engine_errors",
-            "shared_wrong_reads", "rss_drift_mb", "fd_drift", "corrupt_served", "poisoned_stores")
+            "shared_wrong_reads", "rss_drift_mb", "fd_drift", "corrupt_served", "poisoned_stores",
+            "trust_longest_stall_s", "trust_stall_ratio", "trust_escaped", "trust_forged_served",
+            "trust_hijacks_accepted", "trust_bad_settings_accepted", "trust_bad_settings_unclear",
+            "trust_heal_failures")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -86,10 +98,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="parent folder for the scratch folders (default: a temp folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated families (crash,corruption,fuzz,disk_full,"
-                   "sharing,churn,bad_input,permissions,engine)")
+                   "sharing,churn,bad_input,permissions,engine,trust)")
 
 
-FAMILIES = ("crash", "corruption", "fuzz", "disk_full", "sharing", "churn", "bad_input", "permissions", "engine")
+FAMILIES = ("crash", "corruption", "fuzz", "disk_full", "sharing", "churn", "bad_input", "permissions", "engine",
+            "trust")
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -105,7 +118,7 @@ def run(a: argparse.Namespace) -> dict:
     os.chmod(work, 0o700)
     steps = {"crash": size["crash_cycles"], "corruption": 2 * size["corruption_rounds"], "fuzz": 100,
              "disk_full": 1, "sharing": 1, "churn": size["churn_ops"], "bad_input": 1, "permissions": 1,
-             "engine": 3 if a.quick else 5}
+             "engine": 3 if a.quick else 5, "trust": 4}
     total = sum(v for k, v in steps.items() if k in only)
     import logging
 
@@ -139,6 +152,7 @@ def run(a: argparse.Namespace) -> dict:
 
             os.makedirs(Path(work, "engine"), mode=0o700, exist_ok=True)
             go("engine", lambda: engine_family(str(Path(work, "engine")), quick=a.quick, advance=adv))
+            go("trust", lambda: trust(Path(work, "trust"), rounds=size["trust_rounds"], seed=a.seed, advance=adv))
     finally:
         kvlog.setLevel(old_level)
         shutil.rmtree(work, ignore_errors=True)
@@ -163,6 +177,9 @@ def render(data: dict) -> str:
     if families.get("engine", {}).get("rows"):  # per fault, per engine mode
         er = families["engine"]["rows"]
         out += [markdown_table(er, list(er[0])), ""]
+    if families.get("trust", {}).get("stall_rows"):  # the longest of each call per hostile server
+        tr = families["trust"]["stall_rows"]
+        out += [markdown_table(tr, list(tr[0])), ""]
     out.append(markdown_table([{"family": f, "seconds": s} for f, s in timings.items()], ["family", "seconds"]))
     out.append("\nno problems found" if not problems else "\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))
     return "\n".join(out)
@@ -182,7 +199,9 @@ def problems_of(data: dict) -> list[str]:
                         "shared_tmp_left"],
             "churn": ["churn_wrong_reads", "churn_errors"],
             "permissions": ["perm_violations", "perm_key_path_escapes"],
-            "engine": ["corrupt_served", "poisoned_stores", "engine_not_healed"]}
+            "engine": ["corrupt_served", "poisoned_stores", "engine_not_healed"],
+            "trust": ["trust_escaped", "trust_forged_served", "trust_hijacks_accepted", "trust_bad_settings_accepted",
+                      "trust_bad_settings_unclear", "trust_heal_failures"]}
     for f, keys in zero.items():
         for k in keys:
             if f in fam and fam[f].get(k):
@@ -201,8 +220,28 @@ def problems_of(data: dict) -> list[str]:
         out.append(f"bad_input: {[c['case'] for c in fam['bad_input']['bad_input_unclear']]}")
     if "permissions" in fam and fam["permissions"]["perm_unpickling_sites"]:
         out.append(f"permissions: unpickling in {fam['permissions']['perm_unpickling_sites']}")
+    if "trust" in fam:
+        out += trust_problems(fam["trust"])
     if "churn" in fam and fam["churn"].get("fd_drift", 0) > 0:
         out.append(f"churn: fd_drift = {fam['churn']['fd_drift']}")
+    return out
+
+
+def trust_problems(t: dict) -> list[str]:
+    """The trust family's bounds, and the checks that would have proved nothing."""
+    out = []
+    if t["trust_stall_ratio"] > 1.5:
+        out.append(f"trust: {t['trust_longest_stall_call']} took {t['trust_longest_stall_s']} s, "
+                   f"{t['trust_stall_ratio']} x timeout_ms (at most 1.5)")
+    if t["trust_stall_calls_reached"] < t["trust_stall_calls"]:
+        out.append("trust: a timed call never reached its hostile server")
+    if "trust_forged_tried" in t:
+        if not t["trust_forged_control_served"]:
+            out.append("trust: no forged value was served even without a secret: the check proves nothing")
+        if t["trust_honest_served"] < t["trust_honest_written"]:
+            out.append("trust: honest values were not served to a store with the same secret")
+    if not t["trust_hijacks_tried"] or not t["trust_bad_settings_tried"] or not t["trust_heal_tried"]:
+        out.append("trust: a part of the family tried nothing")
     return out
 
 

@@ -442,3 +442,53 @@ def test_kvstore_bench_faults_cli(tmp_path):
     assert data["families"]["bad_input"]["bad_input_refused_clearly"] == data["families"]["bad_input"][
         "bad_input_cases"]
     assert [x for x in tmp_path.iterdir() if x.name.startswith("kvstore-faults-")] == []  # scratch removed
+
+
+# -- 10. trust boundaries (issue 29) ---------------------------------------------------------------
+
+
+def test_trust_family_through_the_cli(tmp_path):
+    """The quick trust family as ``kvstore bench faults --only trust`` runs it: every bad outcome 0,
+    and every part really tried (a call that never reached its hostile server, or a forged-value
+    check whose control, the same forgeries against a store without a secret, serves nothing,
+    would prove nothing)."""
+    from bench import redis_local
+
+    if not redis_local.available():
+        pytest.skip("redis-server is not on PATH")
+    out = tmp_path / "trust.json"
+    p = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "faults", "--quick", "--only", "trust",
+                        "--json", str(out), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "| server | lookup s | load s | store s | close s | reached |" in p.stdout
+    data = json.loads(out.read_text())
+    t = data["families"]["trust"]
+    assert data["problems"] == [], data["problems"]
+    for k in ("trust_escaped", "trust_forged_served", "trust_hijacks_accepted", "trust_bad_settings_accepted",
+              "trust_bad_settings_unclear", "trust_heal_failures"):
+        assert data[k] == 0, (k, t)
+    # stalls: every call of every hostile server timed, each reached its server, none past 1.5 x timeout_ms
+    assert t["trust_stall_calls"] == t["trust_stall_calls_reached"] == 4 * 7
+    assert 0 < data["trust_longest_stall_s"] and data["trust_stall_ratio"] <= 1.5
+    assert t["trust_stall_by_mode"]["trickle"] >= 0.9 * t["trust_timeout_ms"] / 1000  # the deadline ended it
+    # forged values: none served with a secret; the same forgeries without one are (no_mac, plain_namespace)
+    assert t["trust_forged_tried"] == 5 and t["trust_forged_unauthenticated"] >= 3 and t["trust_forged_foreign"] >= 1
+    assert t["trust_forged_control_served"] == 2
+    assert t["trust_honest_served"] == t["trust_honest_written"] == 4
+    # hijacks (the nobody cases skip without root), bad settings, heal
+    assert t["trust_hijacks_tried"] == t["trust_hijacks_refused"] >= 4
+    assert t["trust_hijacks_tried"] == 7 or os.getuid() != 0
+    assert t["trust_bad_settings_tried"] == t["trust_bad_settings_refused"] >= 30
+    assert t["trust_heal_tried"] == 4
+    assert [x for x in tmp_path.iterdir() if x.name.startswith("kvstore-faults-")] == []
+
+
+def test_trust_problems_name_what_would_prove_nothing():
+    t = {"trust_stall_ratio": 2.0, "trust_longest_stall_call": "trickle lookup", "trust_longest_stall_s": 0.4,
+         "trust_stall_calls": 28, "trust_stall_calls_reached": 27, "trust_forged_tried": 5,
+         "trust_forged_control_served": 0, "trust_honest_served": 3, "trust_honest_written": 4,
+         "trust_hijacks_tried": 0, "trust_bad_settings_tried": 33, "trust_heal_tried": 4, "trust_escaped": 0}
+    got = F.problems_of({"families": {"trust": t}})
+    assert len(got) == 5 and "trickle lookup took 0.4 s, 2.0 x timeout_ms" in got[0], got
+    assert any("proves nothing" in g for g in got) and any("tried nothing" in g for g in got)
