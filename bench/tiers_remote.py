@@ -1,12 +1,17 @@
 """Remote rows of ``kvstore bench tiers`` (Redis / Valkey): a store with the remote tier alone,
 its put (up to the end of its write-through) and get, beside a raw pipelined SET / GETEX of values
-of the store's size with the same client type, server, batch and threads."""
+of the store's size with the same client type, server, batch and threads. Each op has two rows:
+``remote`` (no ``KVSTORE_REMOTE_SECRET``) and ``remote+mac`` (a secret: every value carries an
+HMAC-SHA256 over header and payload, made at the put and checked at the get), timed in the same
+rounds against the same raw limit, so the ratio of the two rows is the MAC's cost."""
 
 from __future__ import annotations
 
 import os
+import secrets as _secrets
 import statistics
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -14,6 +19,7 @@ from bench import stores
 from bench.tiers_ops import fingerprint, not_measured, pct, run_op, timed_get
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
+from kvstore.tiers.remotevalue import ENV_PREVIOUS, ENV_SECRET, MAC_BYTES
 
 REMOTE_HEADER = 88  # kvstore.fileformat.HEADER_CORE: what a remote value carries before the payload
 
@@ -28,9 +34,26 @@ def _remote_cfg(a, c: int, codec: str, bb: int, dram_blocks: int = 0) -> dict:
                                  "timeout_ms": a.redis_timeout_ms}}}
 
 
-def _remote_store(a, c: int, codec: str, fp, bb: int, tokens: int, dram_blocks: int = 0) -> KVStore:
-    s = stores.open_store(_remote_cfg(a, c, codec, bb, dram_blocks), block_bytes=bb, fingerprint=fp,
-                          block_tokens=tokens)
+@contextmanager
+def _secret_env(secret: str | None):
+    """The store opened inside reads this secret (None: none) from the environment, as an engine would."""
+    saved = {k: os.environ.pop(k, None) for k in (ENV_SECRET, ENV_PREVIOUS)}
+    if secret is not None:
+        os.environ[ENV_SECRET] = secret
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def _remote_store(a, c: int, codec: str, fp, bb: int, tokens: int, dram_blocks: int = 0,
+                  secret: str | None = None) -> KVStore:
+    with _secret_env(secret):
+        s = stores.open_store(_remote_cfg(a, c, codec, bb, dram_blocks), block_bytes=bb, fingerprint=fp,
+                              block_tokens=tokens)
     if s.remote is None:
         s.close(persist=False)
         raise RuntimeError("the store opened no remote tier")
@@ -75,26 +98,23 @@ def _unlink(client, names: list[bytes]) -> None:
 
 
 def measure_remote(codec, c, bt, bb, n, src, out, a, bar) -> dict:
-    """``repeats`` rounds of (raw SET, store put, raw GET, store get) back to back. Raw: a pipeline
-    of ``batch`` ``SET name value PX ttl`` (then ``GETEX name PX ttl``) per call from ``c`` threads,
-    values of the store's size prepared before the clock starts; store: ``put`` from ``c`` threads
-    then ``flush()`` (the write-through on the I/O pool), ``get`` from ``c`` threads."""
-    import secrets
-
-    put_t, get_t, put_l, get_l, lim = [], [], [], [], {"put": [], "get": []}
-    ok: bool | None = True
-    got: list[int] = []
-    written: list[int] = []  # value bytes the store sent to Redis for the n blocks
+    """``repeats`` rounds of (raw SET, store put, MAC'd store put, raw GET, store get, MAC'd store
+    get) back to back. Raw: a pipeline of ``batch`` ``SET name value PX ttl`` (then ``GETEX name PX
+    ttl``) per call from ``c`` threads, values of the store's size prepared before the clock
+    starts; store: ``put`` from ``c`` threads then ``flush()`` (the write-through on the I/O
+    pool), ``get`` from ``c`` threads. The MAC'd store uses ``KVSTORE_REMOTE_SECRET`` if set,
+    else a random one."""
+    ttl_ms = 86400 * 1000  # the store's default tiers.remote.ttl_s
+    tag = _secrets.token_hex(16).encode()
+    secret = os.environ.get(ENV_SECRET) or _secrets.token_urlsafe(32)
+    # raw values: the store's value size (header + payload), the block's bytes after a fake header
+    head = np.frombuffer(_secrets.token_bytes(REMOTE_HEADER), np.uint8)
+    values = [head.tobytes() + src[i].tobytes() for i in range(n)]
+    lim: dict = {"put": [], "get": [], "put_lat": [], "get_lat": [], "bad": [0]}
+    runs = {mac: {"put": [], "get": [], "put_lat": [], "get_lat": [], "written": [], "got": [], "ok": True}
+            for mac in (False, True)}
     put_via = "no local tier"
     client = _raw_client(a, c)
-    ttl_ms = 86400 * 1000  # the store's default tiers.remote.ttl_s
-    tag = secrets.token_hex(16).encode()
-    # raw values: the store's value size (header + payload), the block's bytes after a fake header
-    head = np.frombuffer(secrets.token_bytes(REMOTE_HEADER), np.uint8)
-    values = [head.tobytes() + src[i].tobytes() for i in range(n)]
-    raw_lat_put: list[float] = []
-    raw_lat_get: list[float] = []
-    raw_bad = [0]
 
     def raw_set(names, vals):
         pipe = client.pipeline(transaction=False)
@@ -106,78 +126,84 @@ def measure_remote(codec, c, bt, bb, n, src, out, a, bar) -> dict:
         pipe = client.pipeline(transaction=False)
         for k in names:
             pipe.execute_command("GETEX", k, "PX", ttl_ms)
-        res = pipe.execute()
-        good = sum(1 for r in res if isinstance(r, bytes) and len(r) == bb + REMOTE_HEADER)
-        if good != len(names):
-            raw_bad[0] += len(names) - good
+        good = sum(1 for r in pipe.execute() if isinstance(r, bytes) and len(r) == bb + REMOTE_HEADER)
+        lim["bad"][0] += len(names) - good
         return good
+
+    def timed(mac: bool, op: str, fn, *args) -> None:
+        t, lat = run_op(fn, *args, a.batch, c)
+        (runs[mac] if mac is not None else lim)[op].append(t)
+        (runs[mac] if mac is not None else lim)[f"{op}_lat"].extend(lat)
 
     try:
         fp = fingerprint(a, f"bench-remote-{tag.decode()}", bt, codec)
         for r in range(a.repeats):
+            opened: list[KVStore] = []
             try:
-                gstore = _remote_store(a, c, codec, fp, bb, bt)
+                gets = {}
+                for mac in (False, True):
+                    opened.append(_remote_store(a, c, codec, fp, bb, bt, secret=secret if mac else None))
+                    gets[mac] = opened[-1]
             except Exception as e:  # e.g. a codec the remote tier does not implement
+                for s_ in opened:
+                    s_.close(persist=False)
                 bar.advance(a.repeats - r)
                 return not_measured("remote", codec, bt, c, e)
-            pstore = None
             try:
-                if r == 0 and not _remote_put_direct(gstore, bb):
+                if r == 0 and not _remote_put_direct(gets[False], bb):
                     put_via = "DRAM write-through"
+                puts = dict(gets)
                 if put_via != "no local tier":  # DRAM as large as the run, in front, written through
-                    pstore = _remote_store(a, c, codec, fp, bb, bt, dram_blocks=n)
-                else:
-                    pstore = gstore
-                keys = chain_keys(gstore.root, np.arange(n * bt) % 50000 + r, bt)
-                names = [gstore.remote.redis_key(k) for k in keys]
+                    for mac in (False, True):
+                        opened.append(_remote_store(a, c, codec, fp, bb, bt, dram_blocks=n,
+                                                    secret=secret if mac else None))
+                        puts[mac] = opened[-1]
+                keys = chain_keys(gets[False].root, np.arange(n * bt) % 50000 + r, bt)
+                names = [g.remote.redis_key(k) for g in gets.values() for k in keys]
                 raw_names = [b"raw:{" + tag + b".%02x}:" % (i & 255) + b"%032x" % (r << 40 | i) for i in range(n)]
-                # raw SET (the put's limit)
-                t, lat = run_op(raw_set, raw_names, values, a.batch, c)
-                lim["put"].append(t)
-                raw_lat_put += lat
-                # store put, up to the end of its write-through
-                w0 = pstore.remote.stats.get("bytes_written", 0)
-                t0 = time.perf_counter()
-                _t, lat = run_op(pstore.put, keys, src, a.batch, c)
-                pstore.flush()
-                put_t.append(time.perf_counter() - t0)
-                put_l += lat
-                written.append(pstore.remote.stats.get("bytes_written", 0) - w0)
-                # raw GET (the get's limit)
-                t, lat = run_op(raw_get, raw_names, out, a.batch, c)
-                lim["get"].append(t)
-                raw_lat_get += lat
-                # store get (no local tier: every block from Redis)
-                t, lat, ok = timed_get(gstore.get, keys, src, out, a.batch, c, codec, got, ok)
-                get_t.append(t)
-                get_l += lat
+                timed(None, "put", raw_set, raw_names, values)  # the put's limit
+                for mac in (False, True):  # store put, up to the end of its write-through
+                    w0 = puts[mac].remote.stats.get("bytes_written", 0)
+                    t0 = time.perf_counter()
+                    _t, lat = run_op(puts[mac].put, keys, src, a.batch, c)
+                    puts[mac].flush()
+                    runs[mac]["put"].append(time.perf_counter() - t0)
+                    runs[mac]["put_lat"] += lat
+                    runs[mac]["written"].append(puts[mac].remote.stats.get("bytes_written", 0) - w0)
+                timed(None, "get", raw_get, raw_names, out)  # the get's limit
+                for mac in (False, True):  # store get (no local tier: every block from Redis)
+                    t, lat, runs[mac]["ok"] = timed_get(gets[mac].get, keys, src, out, a.batch, c, codec,
+                                                        runs[mac]["got"], runs[mac]["ok"])
+                    runs[mac]["get"].append(t)
+                    runs[mac]["get_lat"] += lat
                 _unlink(client, raw_names + names)
             except Exception as e:
                 bar.advance(a.repeats - r)
                 return not_measured("remote", codec, bt, c, e)
             finally:
-                if pstore is not None and pstore is not gstore:
-                    pstore.close(persist=False)
-                gstore.close(persist=False)
+                for s_ in opened:
+                    s_.close(persist=False)
             bar.advance()
     finally:
         client.close()
+    return {"rows": [_row(op, mac, runs[mac], lim, codec, bt, bb, c, n, put_via)
+                     for op in ("put", "get") for mac in (False, True)]}
+
+
+def _row(op: str, mac: bool, run: dict, lim: dict, codec: str, bt: int, bb: int, c: int, n: int, put_via: str) -> dict:
     nbytes = n * bb
-    used = statistics.median(written) if written else 0
-    none_bytes = bb + REMOTE_HEADER
-    comp = {"stored_bytes": int(used), "disk_bytes": None, "comp_ratio": nbytes / used if used else None,
-            "capacity_gain": none_bytes * n / used if used else None,
-            "blocks_per_gb": n / used * 1e9 if used else None}
-    rows = []
-    for op, ts, lat, rlat in (("put", put_t, put_l, raw_lat_put), ("get", get_t, get_l, raw_lat_get)):
-        gbps = nbytes / statistics.median(ts) / 1e9
-        limit = nbytes / statistics.median(lim[op]) / 1e9
-        name = f"redis {'SET' if op == 'put' else 'GETEX'} x{c}"
-        rows.append({"tier": "remote", "op": op, "codec": codec, "block_tokens": bt, "block_bytes": bb,
-                     "concurrency": c, "gbps": gbps, "limit": name, "limit_gbps": limit, "ratio": gbps / limit,
-                     "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "verified": ok, **comp,
-                     "blocks": n, "get_returned_min": min(got) if got else None,
-                     "gbps_runs": [nbytes / t / 1e9 for t in ts], "limit_runs": [nbytes / t / 1e9 for t in lim[op]],
-                     "limit_alt_runs": [], "limit_p50_ms": pct(rlat, 0.5), "limit_p99_ms": pct(rlat, 0.99),
-                     "limit_bad_values": raw_bad[0], "put_via": put_via if op == "put" else "no local tier"})
-    return {"rows": rows}
+    used = statistics.median(run["written"]) if run["written"] else 0
+    none_bytes = bb + REMOTE_HEADER + (MAC_BYTES if mac else 0)
+    gbps = nbytes / statistics.median(run[op]) / 1e9
+    limit = nbytes / statistics.median(lim[op]) / 1e9
+    return {"tier": "remote+mac" if mac else "remote", "op": op, "codec": codec, "block_tokens": bt, "block_bytes": bb,
+            "concurrency": c, "gbps": gbps, "limit": f"redis {'SET' if op == 'put' else 'GETEX'} x{c}",
+            "limit_gbps": limit, "ratio": gbps / limit, "p50_ms": pct(run[f"{op}_lat"], 0.5),
+            "p99_ms": pct(run[f"{op}_lat"], 0.99), "verified": run["ok"], "mac": mac,
+            "stored_bytes": int(used), "disk_bytes": None, "comp_ratio": nbytes / used if used else None,
+            "capacity_gain": none_bytes * n / used if used else None, "blocks_per_gb": n / used * 1e9 if used else None,
+            "blocks": n, "get_returned_min": min(run["got"]) if run["got"] else None,
+            "gbps_runs": [nbytes / t / 1e9 for t in run[op]], "limit_runs": [nbytes / t / 1e9 for t in lim[op]],
+            "limit_alt_runs": [], "limit_p50_ms": pct(lim[f"{op}_lat"], 0.5),
+            "limit_p99_ms": pct(lim[f"{op}_lat"], 0.99), "limit_bad_values": lim["bad"][0],
+            "put_via": put_via if op == "put" else "no local tier"}

@@ -13,6 +13,7 @@ import secrets
 import pytest
 
 from bench import redis_local, tiers
+from kvstore.tiers.remotevalue import MAC_BYTES
 
 pytestmark = pytest.mark.skipif(not redis_local.available(), reason="redis-server is not on PATH")
 
@@ -39,15 +40,18 @@ def test_redis_local_starts_and_stops(tmp_path):
 
 
 def _check_rows(rows: list[dict], concurrency: list[int]) -> None:
+    """Every op twice: without a secret and with one (``remote+mac``: the MAC's cost beside the raw client)."""
     assert {(r["tier"], r["op"], r["concurrency"]) for r in rows} == {
-        ("remote", op, c) for op in ("put", "get") for c in concurrency}
+        (tier, op, c) for tier in ("remote", "remote+mac") for op in ("put", "get") for c in concurrency}
     for r in rows:
+        assert r["mac"] is (r["tier"] == "remote+mac")
         assert r["verified"] is True, r
         assert r["gbps"] > 0 and r["limit_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"])
         assert r["limit"] == f"redis {'SET' if r['op'] == 'put' else 'GETEX'} x{r['concurrency']}"
         assert r["get_returned_min"] == r["blocks"] and r["limit_bad_values"] == 0
-        assert r["stored_bytes"] == r["blocks"] * (r["block_bytes"] + tiers.REMOTE_HEADER)  # codec none
+        mac = MAC_BYTES if r["mac"] else 0  # the MAC'd values carry 32 bytes more
+        assert r["stored_bytes"] == r["blocks"] * (r["block_bytes"] + tiers.REMOTE_HEADER + mac)  # codec none
         assert r["put_via"] in ("no local tier", "DRAM write-through")
         assert 0 < r["p50_ms"] <= r["p99_ms"]
 
@@ -63,7 +67,8 @@ def test_tiers_remote_private_server(tmp_path, capsys):
     assert data["params"]["redis"] == "private redis-server" and data["params"]["tiers"] == ["remote"]
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(data["results"]))
     text = capsys.readouterr().out
-    assert "| remote | put | none |" in text and "redis SET x1" in text and "raw pipelined SET" in text
+    assert "| remote | put | none |" in text and "| remote+mac | get | none |" in text
+    assert "redis SET x1" in text and "raw pipelined SET" in text
 
 
 def test_tiers_remote_given_server_with_password(tmp_path, monkeypatch):
