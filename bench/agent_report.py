@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.report import Figures, markdown_table
+from kvstore.bench.report import Figures, markdown_table
 
 
 def _pct(x: float | None) -> str:

@@ -1,6 +1,6 @@
 """Codec encode/decode GB/s on one block, beside a memcpy of the same block (best of N, one process).
 
-    .venv/bin/python -m bench.codec_speed [--block-mib 2] [--threads 1,2] [--reps 30] [--kv-data synthetic]
+    .venv/bin/python -m kvstore.bench.codec_speed [--block-mib 2] [--threads 1,2] [--reps 30] [--kv-data synthetic]
 
 Rows: each codec of the store (torch paths), a numpy int8 encode/decode (the alternative that was
 considered) and torch's own fp8 -> float cast (what the fp8 decoder replaced). GB/s counts raw
@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from bench.kvdata import fill
-from bench.report import markdown_table
+from kvstore.bench.kvdata import fill
+from kvstore.bench.report import markdown_table
 from kvstore.codecs import Geometry, make_codec
 
 
@@ -78,7 +78,7 @@ def run(block_mib: float = 2, threads=(1, 2), reps: int = 30, kv_data: str = "sy
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m bench.codec_speed", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvstore.bench.codec_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-mib", type=float, default=2)
     p.add_argument("--threads", default="1,2", help="torch intra-op threads, comma list")

@@ -1,8 +1,8 @@
 """Copy-kernel benchmark: GB/s of gather and scatter against limits measured in the same run.
 
-    python -m bench.copy_bench                       # CPU: vllm_cpu + flash_attn, block sizes 16/32/128
-    python -m bench.copy_bench --device cuda         # GPU: kernel / dma vs pinned memcpy and a per-block loop
-    python -m bench.copy_bench --json out.json
+    python -m kvstore.bench.copy_bench                       # CPU: vllm_cpu + flash_attn, block sizes 16/32/128
+    python -m kvstore.bench.copy_bench --device cuda         # GPU: kernel / dma vs pinned memcpy and a per-block loop
+    python -m kvstore.bench.copy_bench --json out.json
 
 CPU limits: ``memcpy`` = numpy copyto of one pre-faulted contiguous buffer of the
 same total size (one thread), and ``memcpy_mt`` = the native module's parallel
@@ -27,16 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from bench import harness
-from bench.report import write_json
+from kvstore.bench import harness
+from kvstore.bench.report import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return harness.parser(__name__, prog="python -m bench.copy_bench")
+    return harness.parser(__name__, prog="python -m kvstore.bench.copy_bench")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """The flags (``kvstore bench copy`` and ``python -m bench.copy_bench`` share them)."""
+    """The flags (``kvstore bench copy`` and ``python -m kvstore.bench.copy_bench`` share them)."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layouts", default=None,
                    help="comma list of layouts (cpu default: vllm_cpu,flash_attn; cuda default: "
@@ -302,14 +302,14 @@ def run(args: argparse.Namespace | None = None) -> dict:
         "rows": rows,
     }
     result["markdown"] = markdown(rows)
-    if args is not None:  # the command line (kvstore bench copy, python -m bench.copy_bench) prints it
+    if args is not None:  # the command line (kvstore bench copy, python -m kvstore.bench.copy_bench) prints it
         print(result["markdown"])
     write_json(a.json, {k: v for k, v in result.items() if k != "markdown"})
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    harness.main(__name__, argv, prog="python -m bench.copy_bench")
+    harness.main(__name__, argv, prog="python -m kvstore.bench.copy_bench")
     return 0
 
 

@@ -84,13 +84,13 @@ import time
 
 import numpy as np
 
-from bench import harness
-from bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLOADS, PEERS, QUICK, REGIMES,
+from kvstore.bench import harness
+from kvstore.bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLOADS, PEERS, QUICK, REGIMES,
                              TTFT_CASES, _case_engine, _cuda, _designs, _goal, _label, _load, hook_seconds,
                              multi_turn, no_reuse_once, no_reuse_prompts, peer_status, quiesce, settle)
-from bench.e2e_report import plot, render, tables
-from bench.e2e_two import two_engines
-from bench.engine import Engine
+from kvstore.bench.e2e_report import plot, render, tables
+from kvstore.bench.e2e_two import two_engines
+from kvstore.bench.engine import Engine
 
 __all__ = ["_designs", "_goal", "add_args", "main", "plot", "render", "run"]
 
@@ -175,7 +175,7 @@ def run(a: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     if a.quick:
         for k, v in QUICK.items():

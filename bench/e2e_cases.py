@@ -10,8 +10,8 @@ import threading
 
 import numpy as np
 
-from bench import engine
-from bench.engine import Engine
+from kvstore.bench import engine
+from kvstore.bench.engine import Engine
 
 TTFT_CASES = ["recompute", "vllm_prefix", "kvstore_dram", "kvstore_nvme"]
 GROUPS = ["two_engines"]  # case groups beside the TTFT cases (``--cases``)

@@ -7,9 +7,9 @@ import statistics
 
 import numpy as np
 
-from bench.e2e_cases import GOALS, NR_WORKLOADS, REGIMES, _goal, _label
-from bench.e2e_two import _render_two_engines
-from bench.report import Figures, markdown_table
+from kvstore.bench.e2e_cases import GOALS, NR_WORKLOADS, REGIMES, _goal, _label
+from kvstore.bench.e2e_two import _render_two_engines
+from kvstore.bench.report import Figures, markdown_table
 
 
 def _paired(by_round: dict, key: tuple, base: tuple) -> list[float]:

@@ -1,6 +1,6 @@
 """``two_engines`` of ``kvstore bench e2e``: engine A (its own process and folders) computes fresh
 prompts and writes them through to one Redis; engine B (another process, empty folders) then gets
-the same prompts: a remote hit. Each engine runs in ``python -m bench.e2e_two JOB.json``."""
+the same prompts: a remote hit. Each engine runs in ``python -m kvstore.bench.e2e_two JOB.json``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from bench.e2e_cases import TE_OUTPUT, new_engine
-from bench.report import markdown_table
+from kvstore.bench.e2e_cases import TE_OUTPUT, new_engine
+from kvstore.bench.report import markdown_table
 
 
 def _full_blocks(n: int, block_size: int) -> int:
@@ -21,7 +21,7 @@ def _full_blocks(n: int, block_size: int) -> int:
 
 
 def _engine_job(job: dict) -> dict:
-    """The body of one two-engine child process (``python -m bench.e2e_two JOB.json``).
+    """The body of one two-engine child process (``python -m kvstore.bench.e2e_two JOB.json``).
 
     ``job["recompute"]``: each prompt once on vLLM without prefix caching and no connector (TTFT,
     output tokens). Then the kvstore engine (own folders, ``job["remote"]``): each of
@@ -92,7 +92,7 @@ def _spawn_job(name: str, job: dict, folder: str, password: str | None) -> dict:
     import json
     import subprocess
 
-    from bench.redis_local import die_with_parent
+    from kvstore.bench.redis_local import die_with_parent
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
@@ -105,7 +105,7 @@ def _spawn_job(name: str, job: dict, folder: str, password: str | None) -> dict:
         json.dump(job, f)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        p = subprocess.Popen([sys.executable, "-m", "bench.e2e_two", path], cwd=root, env=env,
+        p = subprocess.Popen([sys.executable, "-m", "kvstore.bench.e2e_two", path], cwd=root, env=env,
                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              preexec_fn=die_with_parent)  # no orphan engine if the bench is killed
         try:
@@ -140,7 +140,7 @@ def two_engines(model: str, a, lengths: list[int], designs: list[str], max_len: 
         url, password = a.redis_url, os.environ.get("KVSTORE_REDIS_PASSWORD") or None
         info["redis"] = "--redis-url"
     else:
-        from bench import redis_local
+        from kvstore.bench import redis_local
 
         info["redis"] = "private redis-server (password)"
         if not redis_local.available():

@@ -18,7 +18,7 @@ def block_files(store: str, keys: list[bytes]) -> list[Path]:
 
 
 def damage(files: list[Path], how: str) -> int:
-    from kvstore import fileformat as ff
+    from kvstore.tiers import fileformat as ff
 
     n = 0
     for i, f in enumerate(files):
@@ -62,8 +62,8 @@ def damage(files: list[Path], how: str) -> int:
 
 def payloads(store: str) -> dict[bytes, np.ndarray]:
     """Every valid block file's payload, by key (header and checksum checked)."""
-    from kvstore import fileformat as ff
-    from kvstore.tiers.folder import read_header
+    from kvstore.tiers import fileformat as ff
+    from kvstore.tiers.nvme.folder import read_header
 
     out = {}
     for f in Path(store).glob("kvstore-*/??/??/*.kvb"):

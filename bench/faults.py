@@ -56,21 +56,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench import harness  # noqa: E402
-from bench.fault_families.bad_input import BAD_CONFIGS, BAD_TRACE_LINES, bad_input  # noqa: E402
-from bench.fault_families.churn import churn, proc_sample  # noqa: E402
-from bench.fault_families.common import (FP, Hang, MountError, _child_cmd, alarm, block_of, child_main,  # noqa: E402
+from kvstore.bench import harness  # noqa: E402
+from kvstore.bench.fault_families.bad_input import BAD_CONFIGS, BAD_TRACE_LINES, bad_input  # noqa: E402
+from kvstore.bench.fault_families.churn import churn, proc_sample  # noqa: E402
+from kvstore.bench.fault_families.common import (FP, Hang, MountError, _child_cmd, alarm, block_of, child_main,  # noqa: E402
                                          corrupt_total, key_of, make_config, open_store, read_check, tier_vs_folder,
                                          tmpfs, walk_cache)
-from bench.fault_families.corruption import (_rewrite, corruption, craft_header, damages, get_header,  # noqa: E402
+from kvstore.bench.fault_families.corruption import (_rewrite, corruption, craft_header, damages, get_header,  # noqa: E402
                                              set_header)
-from bench.fault_families.crash import crash, verify_recovery  # noqa: E402
-from bench.fault_families.disk_full import disk_full  # noqa: E402
-from bench.fault_families.fuzz import fuzz  # noqa: E402
-from bench.fault_families.permissions import permissions  # noqa: E402
-from bench.fault_families.sharing import sharing  # noqa: E402
-from bench.fault_families.trust import trust  # noqa: E402
-from bench.report import markdown_table  # noqa: E402
+from kvstore.bench.fault_families.crash import crash, verify_recovery  # noqa: E402
+from kvstore.bench.fault_families.disk_full import disk_full  # noqa: E402
+from kvstore.bench.fault_families.fuzz import fuzz  # noqa: E402
+from kvstore.bench.fault_families.permissions import permissions  # noqa: E402
+from kvstore.bench.fault_families.sharing import sharing  # noqa: E402
+from kvstore.bench.fault_families.trust import trust  # noqa: E402
+from kvstore.bench.report import markdown_table  # noqa: E402
 
 __all__ = ["BAD_CONFIGS", "BAD_TRACE_LINES", "FAMILIES", "FP", "HEADLINE", "REPO", "SIZES", "Hang",
            "MountError", "_child_cmd", "_rewrite", "add_args", "alarm", "bad_input", "block_of",
@@ -148,7 +148,7 @@ def run(a: argparse.Namespace) -> dict:
             # (not corruption/fuzz: their folders hold the foreign files planted on purpose)
             go("permissions", lambda: permissions([Path(work, f) for f in ("crash", "sharing", "churn")],
                                                   advance=adv))
-            from bench.fault_families.engine import family as engine_family
+            from kvstore.bench.fault_families.engine import family as engine_family
 
             os.makedirs(Path(work, "engine"), mode=0o700, exist_ok=True)
             go("engine", lambda: engine_family(str(Path(work, "engine")), quick=a.quick, advance=adv))

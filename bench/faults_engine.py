@@ -18,8 +18,8 @@ Outputs are compared with a reference run of the same requests through vLLM's ow
 (``--reference``, no faults, no resets), and every block left in the fault run's folder with
 the reference folder's block under the same key (``poisoned_stores``: a block whose KV differs).
 
-    python -m bench.faults_engine --reference --model M --out ref.json --store REF
-    python -m bench.faults_engine --model M --ref ref.json --ref-store REF --store S --dram 1 \
+    python -m kvstore.bench.faults_engine --reference --model M --out ref.json --store REF
+    python -m kvstore.bench.faults_engine --model M --ref ref.json --ref-store REF --store S --dram 1 \
         [--mp] --out res.json
 """
 
@@ -40,8 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench import engine  # noqa: E402
-from bench.fault_files import block_files, damage, poisoned  # noqa: E402
+from kvstore.bench import engine  # noqa: E402
+from kvstore.bench.fault_files import block_files, damage, poisoned  # noqa: E402
 
 BS = 32
 MAX_TOKENS = 16

@@ -1,6 +1,6 @@
 """GPU copy path against its limit, measured in the same run (issue 15).
 
-    python -m bench.gpu_bench --out DIR          # writes DIR/gpu_bench.json and DIR/gpu_bench.md
+    python -m kvstore.bench.gpu_bench --out DIR          # writes DIR/gpu_bench.json and DIR/gpu_bench.md
 
 For each layout (FlashAttention ``[2, B, N, H, D]``, FlashInfer ``[B, 2, N, H, D]``, vLLM's default
 LBNHC), block size (16, 32, 128 tokens) and blocks per call (1, 16, 256): GB/s of gather (D2H) and
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu_report import markdown
+from kvstore.bench.gpu_report import markdown
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvstore.bench.gpu_bench", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for gpu_bench.json and gpu_bench.md")
     p.add_argument("--layouts", default="flash_attn,flashinfer,vllm_LBNHC")
     p.add_argument("--block-sizes", default="16,32,128")
@@ -282,7 +282,7 @@ def bench_slab(a, gen, rows: list, flush) -> None:
     import torch
 
     from kvstore import kvcopy
-    from kvstore.memory import SlabPool
+    from kvstore.tiers.dram.pool import SlabPool
 
     side = torch.cuda.Stream()
     timer = Timer(side, a.min_ms)

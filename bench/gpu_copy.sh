@@ -111,7 +111,7 @@ tail -n 25 "$OUT/pytest.txt" | tee -a "$LOG"
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   log "GPU benchmark (bench/gpu_bench.py)"
   # shellcheck disable=SC2086
-  "$PY" -m bench.gpu_bench --out "$OUT" ${BENCH_ARGS:-} >>"$LOG" 2>&1
+  "$PY" -m kvstore.bench.gpu_bench --out "$OUT" ${BENCH_ARGS:-} >>"$LOG" 2>&1
   rc=$?
   [ $rc -eq 0 ] || { log "GPU benchmark failed (rc=$rc)"; status=1; }
 fi
@@ -123,7 +123,7 @@ if [ "${SKIP_SANITIZER:-0}" != "1" ]; then
     log "compute-sanitizer memcheck on bench/gpu_sanitize.py"
     t0=$(date +%s)
     timeout "${SANITIZER_TIMEOUT:-240}" "$CS" --tool memcheck --error-exitcode 9 --print-limit 20 \
-      "$PY" -m bench.gpu_sanitize >"$OUT/sanitizer.txt" 2>&1
+      "$PY" -m kvstore.bench.gpu_sanitize >"$OUT/sanitizer.txt" 2>&1
     rc=$?
     tail -n 6 "$OUT/sanitizer.txt" | tee -a "$LOG"
     log "memcheck rc=$rc in $(( $(date +%s) - t0 )) s"

@@ -1,6 +1,6 @@
 """A small subset of the CUDA copy checks, for ``compute-sanitizer --tool memcheck`` (issue 15).
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m bench.gpu_sanitize
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m kvstore.bench.gpu_sanitize
 
 Every layout, both modes, bf16 and fp8, odd and aligned geometries, block counts 1 and 37, on the
 default and a side stream: gather and scatter, each checked byte for byte against the CPU

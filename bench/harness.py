@@ -1,4 +1,4 @@
-"""The protocol of a benchmark mode (``kvstore bench MODE``, ``python -m bench.MODE``).
+"""The protocol of a benchmark mode (``kvstore bench MODE``, ``python -m kvstore.bench.MODE``).
 
 A mode is a module whose docstring is its ``--help`` text, with ``add_args(parser)`` and
 ``run(args) -> dict`` (``kvstore/cli.py`` imports it, builds the parser and calls ``run``; a
@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any, Callable
 
-from bench.report import write_json
+from kvstore.bench.report import write_json
 
 
 def parser(module: str, prog: str | None = None) -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def parser(module: str, prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(module: str, argv: list[str] | None = None, prog: str | None = None) -> Any:
-    """``python -m bench.MODE``: parse ``argv`` as ``kvstore bench MODE`` would, then run."""
+    """``python -m kvstore.bench.MODE``: parse ``argv`` as ``kvstore bench MODE`` would, then run."""
     return sys.modules[module].run(parser(module, prog).parse_args(argv))
 
 

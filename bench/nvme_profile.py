@@ -4,7 +4,7 @@ kvstore/tiers/nvme.py and folder.py timed per thread (the modules' ``os`` and ``
 timing proxies for the run; nothing of the tier changes). Beside it, the same run's O_DIRECT
 limit (bench/limits.py: the same rows, one block per I/O, at the store's I/O parallelism).
 
-    python -m bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3
+    python -m kvstore.bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3
 
 Per block, in microseconds: each call's time summed over the threads that made it (so with 4 I/O
 threads the sum exceeds the wall time), the wall time per block, and the limit's time per block.
@@ -22,13 +22,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from bench import stores
-from bench.limits import odirect_rows_s, run_threads
-from bench.tiers_ops import run_op
-from kvstore import fileformat as ff
+from kvstore.bench import stores
+from kvstore.bench.limits import odirect_rows_s, run_threads
+from kvstore.bench.tiers_ops import run_op
+from kvstore.tiers import fileformat as ff
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.memory import alloc_aligned
-from kvstore.tiers import folder as folder_mod, nvme as nvme_mod
+from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.nvme import folder as folder_mod, tier as nvme_mod
 
 _TIMED = ("open", "close", "pwritev", "preadv", "setxattr", "getxattr", "utime", "rename", "fstat", "mkdir",
           "unlink", "chmod")

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         model = a.model
         if model is None:
             sys.path.insert(0, ROOT)
-            from bench.tiny_model import build_tiny_llama
+            from kvstore.bench.tiny_model import build_tiny_llama
 
             model = build_tiny_llama(os.path.join(work, "tiny-llama"), hidden=256, layers=4, seed=0)
         server_args = ["--enforce-eager", "--max-model-len", "4096", "--seed", "0", *a.server_arg]

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Callable, Mapping
 
-from kvstore import fileformat as ff
+from kvstore.tiers import fileformat as ff
 from kvstore.config import GiB, StoreConfig, from_dict
 from kvstore.keys import ModelFingerprint
 from kvstore.store import KVStore
@@ -31,7 +31,7 @@ def capacity_gb(blocks: int, block_bytes: int, tier: str, *, xattr: bool = False
 
 def nvme_xattr(folder: str | os.PathLike, header: str = "auto") -> bool:
     """Will an NVMe tier in ``folder`` keep block headers in xattrs? (creates the folder, as the tier does)"""
-    from kvstore.tiers.folder import check_folder, probe_xattr
+    from kvstore.tiers.nvme.folder import check_folder, probe_xattr
 
     return header != "inline" and probe_xattr(check_folder(folder))
 

@@ -43,14 +43,14 @@ import tempfile
 
 import numpy as np
 
-from bench import harness
-from bench.kvdata import KINDS
-from bench.kvdata import fill as fill_kv
-from bench.limits import memcpy_gbps, odirect_gbps
-from bench.tiers_local import measure
-from bench.tiers_remote import REMOTE_HEADER
-from bench.tiers_report import plot, render
-from kvstore.memory import alloc_aligned
+from kvstore.bench import harness
+from kvstore.bench.kvdata import KINDS
+from kvstore.bench.kvdata import fill as fill_kv
+from kvstore.bench.limits import memcpy_gbps, odirect_gbps
+from kvstore.bench.tiers_local import measure
+from kvstore.bench.tiers_remote import REMOTE_HEADER
+from kvstore.bench.tiers_report import plot, render
+from kvstore.tiers.dram.pool import alloc_aligned
 
 __all__ = ["DEFAULTS", "REMOTE_HEADER", "add_args", "main", "plot", "render", "resolve", "run"]
 
@@ -160,7 +160,7 @@ def run(a: argparse.Namespace) -> dict:
         if a.redis_url:
             a._redis_url, a._redis_password = a.redis_url, os.environ.get("KVSTORE_REDIS_PASSWORD") or None
         else:
-            from bench import redis_local
+            from kvstore.bench import redis_local
 
             if redis_local.available():
                 server = redis_local.start()
@@ -173,7 +173,7 @@ def run(a: argparse.Namespace) -> dict:
     limits: dict = {}
     peer, peer_note = None, None
     if a.peer:
-        from bench.tiers_peer import Peer
+        from kvstore.bench.tiers_peer import Peer
 
         peer = Peer.start(a.peer)
         if isinstance(peer, str):  # not installed: one line, the rest is measured

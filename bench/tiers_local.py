@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from bench import stores
-from bench.limits import memcpy_rows_s, odirect_gbps, odirect_rows_s
-from bench.tiers_ops import fingerprint, nbytes_gb, not_measured, pct, put_then_get
+from kvstore.bench import stores
+from kvstore.bench.limits import memcpy_rows_s, odirect_gbps, odirect_rows_s
+from kvstore.bench.tiers_ops import fingerprint, nbytes_gb, not_measured, pct, put_then_get
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
 
@@ -41,7 +41,7 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
     queue depth 1) and an O_DIRECT write/read of the same rows, one block per I/O, at the store's
     I/O parallelism (``io_threads``)."""
     if tier == "remote":
-        from bench.tiers_remote import measure_remote
+        from kvstore.bench.tiers_remote import measure_remote
 
         return measure_remote(codec, c, bt, bb, n, src, out, a, bar)
     paths = ["store"]
@@ -179,7 +179,7 @@ def engine_path(c, bb, n, src, out, folder, a, r) -> dict:
     """The batched engine (kvstore/tiers/blockio.py) on an NVMe tier of the same folder: each
     caller's batch is reserved, written in one engine call and committed (read: acquired, read in
     one call, released), as the store will drive it once wired (issue 34)."""
-    from kvstore.tiers.blockio import BlockIO
+    from kvstore.tiers.nvme.blockio import BlockIO
     from kvstore.tiers.nvme import NvmeTier
 
     o_direct = {"auto": "auto", "true": True, "false": False}[a.o_direct]

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from bench.limits import run_threads
+from kvstore.bench.limits import run_threads
 from kvstore.keys import ModelFingerprint
 
 

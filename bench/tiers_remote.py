@@ -15,13 +15,13 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from bench import stores
-from bench.tiers_ops import fingerprint, not_measured, pct, run_op, timed_get
+from kvstore.bench import stores
+from kvstore.bench.tiers_ops import fingerprint, not_measured, pct, run_op, timed_get
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
-from kvstore.tiers.remotevalue import ENV_PREVIOUS, ENV_SECRET, MAC_BYTES
+from kvstore.tiers.redis.value import ENV_PREVIOUS, ENV_SECRET, MAC_BYTES
 
-REMOTE_HEADER = 88  # kvstore.fileformat.HEADER_CORE: what a remote value carries before the payload
+REMOTE_HEADER = 88  # kvstore.tiers.fileformat.HEADER_CORE: what a remote value carries before the payload
 
 
 def _remote_cfg(a, c: int, codec: str, bb: int, dram_blocks: int = 0) -> dict:
@@ -67,7 +67,7 @@ def _remote_put_direct(store: KVStore, bb: int) -> bool:
     store.put([key], np.zeros((1, bb), np.uint8))
     store.flush()
     ok = store.remote.stats.get("puts", 0) > before
-    store.remote.remove([key])
+    store.remote.client.remove([key])
     return ok
 
 
@@ -159,7 +159,7 @@ def measure_remote(codec, c, bt, bb, n, src, out, a, bar) -> dict:
                                                     secret=secret if mac else None))
                         puts[mac] = opened[-1]
                 keys = chain_keys(gets[False].root, np.arange(n * bt) % 50000 + r, bt)
-                names = [g.remote.redis_key(k) for g in gets.values() for k in keys]
+                names = [g.remote.client.redis_key(k) for g in gets.values() for k in keys]
                 raw_names = [b"raw:{" + tag + b".%02x}:" % (i & 255) + b"%032x" % (r << 40 | i) for i in range(n)]
                 timed(None, "put", raw_set, raw_names, values)  # the put's limit
                 for mac in (False, True):  # store put, up to the end of its write-through

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.report import Figures, markdown_table
-from bench.tiers_remote import REMOTE_HEADER
+from kvstore.bench.report import Figures, markdown_table
+from kvstore.bench.tiers_remote import REMOTE_HEADER
 
 
 def render(data: dict) -> str:

@@ -17,7 +17,7 @@ two or more distinct sessions (a TTL class for system prompts, tool schemas; nul
 would keep nothing and is refused. Unknown keys and bad values raise :class:`ConfigError`, which names
 the key, the value and what is allowed (validators: :mod:`kvstore.configfields`). What this machine
 can give a config (memory for the DRAM pool, a free metrics port, the NVMe folder) is checked by
-:mod:`kvstore.machine`, at store start-up and by ``kvstore config``, never here: the tuner builds
+:mod:`kvstore.store.machine`, at store start-up and by ``kvstore config``, never here: the tuner builds
 configs for other machines.
 
 Precedence, lowest first: built-in defaults < YAML file < ``KVSTORE__A__B=value`` environment
@@ -156,7 +156,7 @@ class IoConfig:
     async_loads: bool = _f(True, F.choice, choices=BOOL)
     # cut a hit where loading is slower than recomputing (placement.worth_loading; reason
     # slower_than_recompute), from each tier's measured reads and the engine's step cost fitted
-    # over its timed forward passes (kvstore.stepcost). Measured on the tiny CPU test model (NVMe
+    # over its timed forward passes (kvstore.store.stepcost). Measured on the tiny CPU test model (NVMe
     # only): a block costs 0.55 ms to load and 1.4 ms (first) to 25 ms (at 8k) to recompute
     load_only_if_faster: bool = _f(True, F.choice, choices=BOOL)
 
@@ -232,7 +232,7 @@ def from_dict(data: Mapping | None, errors: list | None = None) -> StoreConfig:
     """Build and validate a :class:`StoreConfig` from plain nested data (e.g. parsed YAML).
 
     Pure: nothing here depends on the machine (the tuner builds configs for others);
-    :mod:`kvstore.machine` checks what this machine can give. With ``errors`` (a list), every
+    :mod:`kvstore.store.machine` checks what this machine can give. With ``errors`` (a list), every
     bad key is appended to it instead of raising the first, and its default kept."""
     return _build(StoreConfig, "", data, errors)
 

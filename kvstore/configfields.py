@@ -1,6 +1,6 @@
 """The config's error and its field validators: ``(key, value, **options)`` -> the value to keep,
 or a :class:`ConfigError` naming the key, the value, why and what is allowed. Pure: nothing here
-looks at the machine (:mod:`kvstore.machine` does)."""
+looks at the machine (:mod:`kvstore.store.machine` does)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 def policy_names() -> tuple[str, ...]:
-    from kvstore.policy import POLICIES
+    from kvstore.tiers.policy import POLICIES
 
     return tuple(sorted(POLICIES))
 

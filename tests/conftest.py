@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvstore import fileformat as ff  # noqa: E402
+from kvstore.tiers import fileformat as ff  # noqa: E402
 from kvstore.config import GiB, StoreConfig, from_dict  # noqa: E402
-from kvstore.index import READY  # noqa: E402
+from kvstore.tiers.index import READY  # noqa: E402
 from kvstore.keys import ModelFingerprint, chain_keys  # noqa: E402
 
 BLOCK = 8192  # default test block size (a multiple of 4 KiB: O_DIRECT in place)

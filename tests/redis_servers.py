@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from bench.fault_families.hostile import MODES, FakeRedis  # noqa: F401 (re-exported for the tests)
-from bench.redis_local import free_port, launch, server_argv
+from kvstore.bench.fault_families.hostile import MODES, FakeRedis  # noqa: F401 (re-exported for the tests)
+from kvstore.bench.redis_local import free_port, launch, server_argv
 
 _LIVE: set["Server"] = set()
 

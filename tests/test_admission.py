@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import failpoints, placement
+from kvstore import failpoints
+from kvstore.store import placement
 from kvstore.config import from_dict, merge
 from kvstore.tune import Simulator
-from kvstore.tune.verify import replay_store
+from store_replay import replay_store
 
 from conftest import BLOCK, block_for, check_store, one_key, tiny_config
 from test_tune import BB, cfg_blocks, mixed_trace  # noqa: F401 (a fixture)

@@ -33,7 +33,7 @@ ASYNC = {"io": {"async_saves": True, "async_loads": True}}
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4)
 

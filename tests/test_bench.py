@@ -20,8 +20,8 @@ import statistics
 import numpy as np
 import pytest
 
-from bench import agent, tiers
-from bench import workload as wl
+from kvstore.bench import agent, tiers
+from kvstore.bench import workload as wl
 from kvstore.keys import chain_keys
 from kvstore.trace import read_trace
 
@@ -67,7 +67,7 @@ def test_tiers_small(tmp_path, capsys):
 def test_tiers_nvme_paths_store_and_blockio_share_each_limit(tmp_path):
     """--nvme-paths store,blockio: today's store and the batched engine (kvstore/tiers/blockio.py), the
     same bytes, folder and repeats, each row beside the same limit; bytes verified on both."""
-    from kvstore.tiers import blockio
+    from kvstore.tiers.nvme import blockio
 
     if not blockio.available():
         pytest.skip(f"kvstore._blockio not built: {blockio.native_error()}")
@@ -355,7 +355,7 @@ def test_e2e_tiny(tmp_path):
     """`bench e2e --quick`: every part (TTFT, multi-turn, no reuse) once per design, ratios and goals."""
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from bench import e2e
+    from kvstore.bench import e2e
 
     data = e2e.run(_args(e2e, ["--quick", "--cases", "kvstore_dram", "--dir", str(tmp_path),
                                "--json", str(tmp_path / "e2e.json"), "--plots", str(tmp_path / "plots")]))
@@ -436,7 +436,7 @@ def test_e2e_tiny(tmp_path):
 
 
 def test_e2e_designs_flag():
-    from bench import e2e
+    from kvstore.bench import e2e
 
     assert e2e._designs("async") == ["async"] and e2e._designs("sync, async,sync") == ["sync", "async"]
     with pytest.raises(SystemExit):
@@ -447,7 +447,7 @@ def test_e2e_designs_flag():
 
 def test_copy_mode_through_the_cli(tmp_path, capsys):
     """`kvstore bench copy` runs the csrc gather/scatter benchmark (CPU) and prints its table."""
-    from kvstore.cli import main
+    from kvstore.ops.cli import main
 
     out = tmp_path / "copy.json"
     assert main(["bench", "copy", "--block-sizes", "16", "--blocks", "8", "--layers", "2", "--repeat", "1",

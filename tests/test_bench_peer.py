@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import tiers, tiers_peer
-from bench.tiers_report import peer_table
+from kvstore.bench import tiers, tiers_peer
+from kvstore.bench.tiers_report import peer_table
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

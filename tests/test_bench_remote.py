@@ -12,8 +12,8 @@ import secrets
 
 import pytest
 
-from bench import redis_local, tiers
-from kvstore.tiers.remotevalue import MAC_BYTES
+from kvstore.bench import redis_local, tiers
+from kvstore.tiers.redis.value import MAC_BYTES
 
 pytestmark = pytest.mark.skipif(not redis_local.available(), reason="redis-server is not on PATH")
 
@@ -93,7 +93,7 @@ def test_e2e_two_engines_smallest(tmp_path):
     """Engine A (a process) stores through a private Redis; engine B (another process, empty
     folders) gets every full block from it, and its greedy outputs equal A's."""
     pytest.importorskip("vllm")
-    from bench import e2e
+    from kvstore.bench import e2e
 
     data = e2e.run(_args(e2e, ["--lengths", "128", "--cases", "two_engines", "--te-repeats", "1", "--hidden", "128",
                                "--layers", "2", "--dir", str(tmp_path), "--json", str(tmp_path / "e2e.json")]))

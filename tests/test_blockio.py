@@ -12,10 +12,11 @@ import stat
 import numpy as np
 import pytest
 
-from kvstore import failpoints, fileformat as ff
-from kvstore.memory import alloc_aligned
-from kvstore.tiers import blockio
-from kvstore.tiers.folder import probe_xattr
+from kvstore import failpoints
+from kvstore.tiers import fileformat as ff
+from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.nvme import blockio
+from kvstore.tiers.nvme.folder import probe_xattr
 from kvstore.tiers.nvme import NvmeTier
 
 pytestmark = pytest.mark.skipif(not blockio.available(), reason=f"kvstore._blockio not built: {blockio.native_error()}")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import fileformat as ff
+from kvstore.tiers import fileformat as ff
 from kvstore.codecs import CodecError, Geometry, make_codec
 from kvstore.config import ConfigError, from_dict
 from kvstore.keys import ModelFingerprint

@@ -144,7 +144,7 @@ def test_threads_on_one_tier(clock):
 
 
 def test_slab_pool_alloc_waits_for_a_freed_slot():
-    from kvstore.memory import SlabPool
+    from kvstore.tiers.dram.pool import SlabPool
 
     pool = SlabPool(2, 4096, pin=False)
     a, b = pool.alloc(), pool.alloc()

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kvstore.config import ConfigError, GiB, StoreConfig, env_overrides, from_dict, load_config
-from kvstore.policy import POLICIES
+from kvstore.tiers.policy import POLICIES
 
 
 def test_defaults():

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstore import machine, memory
+from kvstore.store import machine
+from kvstore.tiers.dram import pool as memory
 from kvstore.config import GiB, ConfigError, StoreConfig, from_dict, load_config
-from kvstore.metrics import StoreMetrics
+from kvstore.store.metrics import StoreMetrics
 from kvstore.store import KVStore
 from tests.conftest import FP
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore import fileformat as ff
+from kvstore.tiers import fileformat as ff
 from kvstore.config import from_dict
 from kvstore.store import KVStore
 

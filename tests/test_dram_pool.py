@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore import memory
-from kvstore.memory import SlabPool
+from kvstore.tiers.dram import pool as memory
+from kvstore.tiers.dram.pool import SlabPool
 from kvstore.tiers import DramTier
 
 from conftest import check_tier
@@ -151,7 +151,7 @@ def test_preparation_failure_keeps_what_is_ready(monkeypatch, caplog):
         return real(nbytes, **kw)
 
     monkeypatch.setattr(memory, "alloc_aligned", failing)
-    caplog.set_level(logging.INFO, logger="kvstore.memory")
+    caplog.set_level(logging.INFO, logger="kvstore.tiers.dram.pool")
     pool = SlabPool(PER_CHUNK * 10, SLOT, pin=False, chunk_bytes=CHUNK)
     try:
         assert pool.wait_ready(5) is False and not pool.ready
@@ -163,12 +163,12 @@ def test_preparation_failure_keeps_what_is_ready(monkeypatch, caplog):
 
 
 def test_log_lines(caplog):
-    caplog.set_level(logging.INFO, logger="kvstore.memory")
+    caplog.set_level(logging.INFO, logger="kvstore.tiers.dram.pool")
     n = PER_CHUNK * 8
     pool = SlabPool(n, SLOT, pin=False, chunk_bytes=CHUNK)
     assert pool.wait_ready(5)
     pool.close()
-    msgs = [r.getMessage() for r in caplog.records if r.name == "kvstore.memory"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kvstore.tiers.dram.pool"]
     start = [m for m in msgs if "background" in m]
     done = [m for m in msgs if "DRAM pool ready" in m]
     assert len(start) == 1 and len(done) == 1, msgs
@@ -264,7 +264,7 @@ def test_a_pool_that_cannot_be_pinned_is_an_error_at_start_up(tmp_path):
     from kvstore import failpoints
     from kvstore.config import from_dict
     from kvstore.keys import ModelFingerprint
-    from kvstore.memory import PinError
+    from kvstore.tiers.dram.pool import PinError
     from kvstore.store import KVStore
 
     failpoints.arm("memory.pin=raise")

@@ -94,7 +94,7 @@ def test_readme_lists_every_metric():
     """Every metric the store and the connector register is in README.md's lists."""
     import os
 
-    from kvstore.metrics import StoreMetrics
+    from kvstore.store.metrics import StoreMetrics
 
     m = StoreMetrics()
     OffloadMetrics(m.registry)

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from kvstore.explain import APPEND, FIRST, HEAD, LOST, REWRITE, Explainer, classify, explain, explain_file
+from kvstore.ops.explain import APPEND, FIRST, HEAD, LOST, REWRITE, Explainer, classify, explain, explain_file
 from kvstore.keys import chain_keys
 from kvstore.trace import TraceRecord, TraceWriter, parse_line, read_trace
 
@@ -152,7 +152,7 @@ def test_trace_lines_round_trip_and_old_lines_still_parse(tmp_path):
 
 
 def test_cli_json_text_and_plot(tmp_path, capsys):
-    from kvstore.cli import main
+    from kvstore.ops.cli import main
 
     p = tmp_path / "t.jsonl"
     prev = SYS + toks(12, 60)
@@ -180,7 +180,7 @@ def test_cli_json_text_and_plot(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     pytest.importorskip("vllm")
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
 
@@ -195,7 +195,7 @@ def test_each_cache_busting_pattern_through_the_connector(tiny_model, tmp_path):
     genuine exactly."""
     from test_vllm_connector import Engine, prompt
 
-    from kvstore import hitrate as stats
+    from kvstore.ops import stats
 
     trace = tmp_path / "trace.jsonl"
     block = 128 * 1024  # 4 layers x K,V x 2 heads x 64 x 32 tokens x fp32

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench import faults as F
-from kvstore import fileformat as ff
+from kvstore.bench import faults as F
+from kvstore.tiers import fileformat as ff
 from kvstore.config import ConfigError, from_dict
 from kvstore.trace import TraceError, parse_line
 from kvstore.tune.trace_memory import load_trace
@@ -117,7 +117,7 @@ def test_a_fifo_where_a_block_file_was_does_not_hang(make_store, o_direct):
     q.unlink()
     os.mkfifo(q, 0o600)
     with F.alarm(10):
-        from kvstore.tiers.folder import read_header
+        from kvstore.tiers.nvme.folder import read_header
 
         with pytest.raises(ff.BadBlockFile):
             read_header(q)
@@ -430,7 +430,7 @@ def test_modes_symlinks_and_key_paths(make_store, store_dir):
 
 def test_kvstore_bench_faults_cli(tmp_path):
     out = tmp_path / "faults.json"
-    p = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "faults", "--quick", "--only",
+    p = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "bench", "faults", "--quick", "--only",
                         "corruption,bad_input,permissions", "--json", str(out), "--dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -452,12 +452,12 @@ def test_trust_family_through_the_cli(tmp_path):
     and every part really tried (a call that never reached its hostile server, or a forged-value
     check whose control, the same forgeries against a store without a secret, serves nothing,
     would prove nothing)."""
-    from bench import redis_local
+    from kvstore.bench import redis_local
 
     if not redis_local.available():
         pytest.skip("redis-server is not on PATH")
     out = tmp_path / "trust.json"
-    p = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "faults", "--quick", "--only", "trust",
+    p = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "bench", "faults", "--quick", "--only", "trust",
                         "--json", str(out), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -34,7 +34,7 @@ def _run(args: list[str], env: dict | None = None, timeout: int = 900) -> dict:
     e = dict(os.environ)
     e.update(ENV)
     e.update(env or {})
-    p = subprocess.run([sys.executable, "-m", "bench.faults_engine", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "kvstore.bench.faults_engine", *args], capture_output=True, text=True,
                        timeout=timeout, env=e, cwd=ROOT)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, (p.stdout[-2000:], p.stderr[-6000:])
@@ -43,7 +43,7 @@ def _run(args: list[str], env: dict | None = None, timeout: int = 900) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
 

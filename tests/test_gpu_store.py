@@ -18,7 +18,7 @@ import torch
 from kvstore import kvcopy
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.memory import SlabPool
+from kvstore.tiers.dram.pool import SlabPool
 from kvstore.offload import LoadPlan, LocalClient, Mover, StepPlan, StorePlan, acquire_shared, release_shared
 
 from conftest import dram_gb, nvme_gb

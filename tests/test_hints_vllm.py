@@ -88,7 +88,7 @@ def test_prefill_rate_leaves_out_synchronous_loads():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4)
 
@@ -110,7 +110,7 @@ def _ttls(store) -> list:
 
 @pytest.mark.vllm
 def test_hints_through_the_engine(tiny_model, tmp_path, hint_log, monkeypatch):
-    from kvstore.stepcost import StepCost
+    from kvstore.store.stepcost import StepCost
 
     once, kept, bad = prompt(300, 41), prompt(300, 42), prompt(300, 43)
     ref = reference(tiny_model, [once, kept, bad], max_tokens=8)

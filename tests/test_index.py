@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvstore.index import CAPACITY, EXPIRED, READY, WRITING, TierIndex
-from kvstore.policy import make_policy
+from kvstore.tiers.index import CAPACITY, EXPIRED, READY, WRITING, TierIndex
+from kvstore.tiers.policy import make_policy
 
 
 def idx(cap_entries=3, ttl=None, policy="lru", nbytes=10, **kw) -> TierIndex:

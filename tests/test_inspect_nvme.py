@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from kvstore.inspect_nvme import inspect_folder
+from kvstore.ops.inspect import inspect_folder
 from kvstore.store import KVStore
 
 from conftest import BLOCK, FP, blocks_for, make_keys, tiny_config
@@ -30,9 +30,9 @@ def test_inspect_a_folder(tmp_path):
     assert (info["blocks"], ns["blocks"], ns["codecs"], ns["bad_files"], ns["temp_files"]) == (3, 3, {"none": 3}, 1, 1)
     assert sum(ns["age"].values()) == 3 and ns["age"]["<1m"] == 3
     assert list(ns["fingerprints"].values()) == [3] and ns["payload_bytes"] == 3 * BLOCK
-    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "inspect", str(tmp_path / "n"), "--json"],
+    out = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "inspect", str(tmp_path / "n"), "--json"],
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert json.loads(out.stdout)["blocks"] == 3
-    text = subprocess.run([sys.executable, "-m", "kvstore.cli", "inspect", str(tmp_path / "n")],
+    text = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "inspect", str(tmp_path / "n")],
                           capture_output=True, text=True, check=True).stdout
     assert "3 blocks" in text and "1 bad file(s)" in text and "age (since last use): <1m 3" in text

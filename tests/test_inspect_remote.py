@@ -11,9 +11,9 @@ import os
 import numpy as np
 import pytest
 
-from kvstore import fileformat as ff
-from kvstore.cli import main
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers import fileformat as ff
+from kvstore.ops.cli import main
+from kvstore.tiers.redis.client import RedisClient
 
 from redis_servers import redis_cluster, redis_single  # noqa: F401
 
@@ -25,7 +25,7 @@ def fill(url, cluster: bool, password: str, counts: dict[bytes, int], seed: int 
     rng = np.random.default_rng(seed)
     written = {}
     for ns, n in counts.items():
-        t = RemoteTier(url=url, cluster=cluster, namespace=ns, block_bytes=BB, ttl_s=ttl_s, timeout_ms=2000,
+        t = RedisClient(url=url, cluster=cluster, namespace=ns, block_bytes=BB, ttl_s=ttl_s, timeout_ms=2000,
                        password=password)
         keys = [rng.bytes(16) for _ in range(n)]
         assert all(t.put(keys, [rng.integers(0, 256, BB, dtype=np.uint8) for _ in range(n)]))

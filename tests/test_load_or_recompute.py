@@ -1,7 +1,7 @@
 """Never slower than recompute (issue 17 item 1; ``io.load_only_if_faster``, on by default): the
 lookup keeps only the prefix that is faster to load than to recompute, from moving estimates of
 each tier's measured read throughput and of the engine's step cost (fitted over timed forward
-passes, :mod:`kvstore.stepcost`); the rest is a miss with reason ``slower_than_recompute``.
+passes, :mod:`kvstore.store.stepcost`); the rest is a miss with reason ``slower_than_recompute``.
 The decision's scenarios, the time-weighted estimate, and a real NVMe tier throttled on purpose
 (the ``nvme.read=slow`` failpoint: each file read takes 20 ms longer) inside a real store."""
 
@@ -12,9 +12,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvstore import failpoints, placement
-from kvstore.rates import Rate
-from kvstore.stepcost import Fit, StepCost, pairs
+from kvstore import failpoints
+from kvstore.store import placement
+from kvstore.store.cost import Rate
+from kvstore.store.stepcost import Fit, StepCost, pairs
 from kvstore.store import KVStore
 
 from conftest import BLOCK, FP, blocks_for, make_keys, tiny_config
@@ -208,7 +209,7 @@ def test_off_every_hit_is_loaded(tmp_path):
 def test_a_fit_without_per_token_cost_loads_everything():
     """Steps whose time does not grow with their tokens give no recompute cost to weigh: every
     hit is loaded, as before any estimate."""
-    from kvstore.rates import Rates
+    from kvstore.store.cost import Rates
 
     r = Rates()
     for n in (100, 1000, 5000, 100, 3000):

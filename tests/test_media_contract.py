@@ -82,7 +82,7 @@ def test_present_and_repeated_keys_are_stored_once(store):
 def _damage(store, key) -> None:
     """Flip one payload byte of the stored block, from outside the store."""
     if store.kind.startswith("remote"):
-        r = store.remote
+        r = store.remote.client
         c = r._connect()
         name = r.redis_key(key)
         v = bytearray(c.get(name))

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore import fileformat as ff
+from kvstore.tiers import fileformat as ff
 from kvstore.keys import ModelFingerprint
 from kvstore.tiers import NvmeTier
 
@@ -490,7 +490,7 @@ def test_block_file_format_is_plain_struct(make_store):
 
 
 def test_read_header_helper(make_store, outside):
-    from kvstore.tiers.folder import read_header
+    from kvstore.tiers.nvme.folder import read_header
 
     s = nvme_only(make_store)
     k = one_key(3)
@@ -520,7 +520,7 @@ def _failing_pwrite(err):
 def test_write_error_leaves_nothing(make_store, monkeypatch):
     import errno
 
-    import kvstore.tiers.nvme as nv
+    import kvstore.tiers.nvme.tier as nv
     s = nvme_only(make_store)
     keys = make_keys(3)
     monkeypatch.setattr(nv, "_pwrite_all", _failing_pwrite(errno.EIO))
@@ -536,7 +536,7 @@ def test_write_error_leaves_nothing(make_store, monkeypatch):
 def test_full_disk_shrinks_the_tier(make_store, monkeypatch):
     import errno
 
-    import kvstore.tiers.nvme as nv
+    import kvstore.tiers.nvme.tier as nv
     s = nvme_only(make_store, nvme_blocks=8)
     keys = make_keys(5)
     s.put(keys[:3], blocks_for(keys[:3]))

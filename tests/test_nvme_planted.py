@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import faults as F
+from kvstore.bench import faults as F
 from kvstore.tiers import NvmeTier
 
 from conftest import BLOCK, block_for, blocks_for, check_store, check_tier, make_keys, one_key

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore.tiers import NvmeTier
-from kvstore.tiers.nvme import PROBE_AFTER_S
+from kvstore.tiers.nvme.tier import PROBE_AFTER_S
 
 from conftest import BLOCK, blocks_for, check_store, check_tier, make_keys, nvme_files
 from test_nvme_files import nvme_only, read_n

@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from kvstore import fileformat as ff
-from kvstore.tiers.folder import probe_xattr, read_header
+from kvstore.tiers import fileformat as ff
+from kvstore.tiers.nvme.folder import probe_xattr, read_header
 
 from conftest import BLOCK, block_for, blocks_for, check_store, make_keys
 

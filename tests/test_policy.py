@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.policy import POLICIES, FIFOPolicy, LRUPolicy, Policy, SharedLRUPolicy, make_policy
+from kvstore.tiers.policy import POLICIES, FIFOPolicy, LRUPolicy, Policy, SharedLRUPolicy, make_policy
 
 
 def order(p: Policy) -> list:

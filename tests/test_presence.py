@@ -1,10 +1,10 @@
-"""The remote tier's presence memo (kvstore.tiers.presence): answers reused for ttl_s, a probe
+"""The remote tier's presence memo (kvstore.tiers.redis.presence): answers reused for ttl_s, a probe
 before the whole walk, bounded size, writes and failed reads folded in. Pure: a fake clock and
 an ``ask`` that records what it was asked."""
 
 from __future__ import annotations
 
-from kvstore.tiers.presence import Presence
+from kvstore.tiers.redis.presence import Presence
 
 from conftest import FakeClock
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstore.index import READY, WRITING, TierIndex
-from kvstore.policy import POLICIES, make_policy
+from kvstore.tiers.index import READY, WRITING, TierIndex
+from kvstore.tiers.policy import POLICIES, make_policy
 from kvstore.store import KVStore
 
 from conftest import FP, FakeClock, block_for, check_store, make_keys, tiny_config

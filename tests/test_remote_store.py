@@ -29,7 +29,7 @@ def _store(tmp_path, name, server, *, dram=8, nvme=16, monkeypatch=None, **remot
         "remote": {"url": server.url, "cluster": isinstance(server.url, list), "timeout_ms": 500, **remote}}})
     s = KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=16)
     if s.remote is not None:
-        s.remote._backoff = (0.05, 0.2)  # tests wait for the backoff: keep it short
+        s.remote.client._backoff = (0.05, 0.2)  # tests wait for the backoff: keep it short
     return s
 
 
@@ -91,7 +91,7 @@ def test_keys_evicted_between_lookup_and_load_are_a_miss(pair, redis_single):  #
     a.flush()
     h = b.pin_load(keys)  # the scheduler's side: 6 remote blocks promised
     assert h.num_blocks == 6 and set(h.tier_of) == {"remote"}
-    redis_single.client().delete(a.remote.redis_key(keys[3]))  # Redis evicts one meanwhile
+    redis_single.client().delete(a.remote.client.redis_key(keys[3]))  # Redis evicts one meanwhile
     assert b.read_load(h) == 3  # the prefix ends there: blocks 3.. are recomputed
     assert all(np.array_equal(v, x) for v, x in zip(h.views, blocks_for(keys[:3])))
     b.end_load(h)
@@ -111,7 +111,7 @@ def test_corrupt_values_are_counted_misses_and_deleted(pair, redis_single):  # n
     a.put(keys, blocks_for(keys))
     a.flush()
     c = redis_single.client()
-    name = a.remote.redis_key(keys[1])
+    name = a.remote.client.redis_key(keys[1])
     v = bytearray(c.get(name))
     v[-1] ^= 0xFF  # one payload byte
     c.set(name, bytes(v))
@@ -138,7 +138,7 @@ def test_server_killed_is_a_miss_and_hits_resume_after_restart(tmp_path, redis_l
         srv.restart()  # empty (no persistence): what a stores next is shared again
         keys2 = make_keys(4, seed=16)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not a.remote.available:
+        while time.monotonic() < deadline and not a.remote.client.available:
             time.sleep(0.05)  # a's backoff
         assert M(a, "kvstore_remote_up") == 0  # the backoff is over, but nothing has answered yet
         assert a.put(keys2, blocks_for(keys2)) == 4
@@ -153,7 +153,7 @@ def test_server_killed_is_a_miss_and_hits_resume_after_restart(tmp_path, redis_l
 
 
 def test_wrong_password_is_a_clear_error_at_start_up(tmp_path, redis_single, monkeypatch):  # noqa: F811
-    from kvstore.tiers.remote import RemoteAuthError
+    from kvstore.tiers.redis.client import RemoteAuthError
 
     monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", "not-the-password-xyz")
     with pytest.raises(RemoteAuthError) as ei:
@@ -232,4 +232,4 @@ def test_a_request_asks_redis_once_and_a_miss_asks_a_few_keys(pair, redis_single
     b.put(b2, blocks_for(b2))
     b.flush()
     e0 = _exists_calls(redis_single)
-    assert b._remote_extend(b2, 0) == 3 and _exists_calls(redis_single) == e0
+    assert b.remote.leading(b2) == 3 and _exists_calls(redis_single) == e0

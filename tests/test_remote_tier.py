@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import redis
 
-from kvstore import fileformat as ff
+from kvstore.tiers import fileformat as ff
 from kvstore.codecs import Geometry, make_codec
-from kvstore.tiers.remote import RemoteAuthError, RemoteTier, RemoteUnavailable
+from kvstore.tiers.redis.client import RemoteAuthError, RedisClient, RemoteUnavailable
 
 from conftest import FakeClock
 from redis_servers import redis_cluster, redis_launcher, redis_single  # noqa: F401
@@ -31,12 +31,12 @@ def keys_and_blocks(n: int, bb: int = BB, seed: int = 0):
     return keys, [rng.integers(0, 256, bb, dtype=np.uint8) for _ in range(n)]
 
 
-def tier_for(srv, *, namespace: bytes | None = None, bb: int = BB, **kw) -> RemoteTier:
+def tier_for(srv, *, namespace: bytes | None = None, bb: int = BB, **kw) -> RedisClient:
     cluster = isinstance(srv.url, list)
     args = dict(url=srv.url, cluster=cluster, namespace=namespace or os.urandom(16), block_bytes=bb,
                 ttl_s=600.0, timeout_ms=1000, password=srv.password, backoff_s=(0.05, 0.2))
     args.update(kw)
-    return RemoteTier(**args)
+    return RedisClient(**args)
 
 
 def outs_for(n: int, bb: int = BB):
@@ -174,7 +174,7 @@ def test_wrong_or_missing_password(redis_single, redis_launcher):
         # later calls are misses, never exceptions
         assert t.get(keys_and_blocks(1)[0], outs_for(1)) == [False]
     with pytest.raises(ValueError) as ei:
-        RemoteTier(url=f"redis://:{redis_single.password}@127.0.0.1:{redis_single.port}", cluster=False,
+        RedisClient(url=f"redis://:{redis_single.password}@127.0.0.1:{redis_single.port}", cluster=False,
                    namespace=os.urandom(16), block_bytes=BB, ttl_s=None, timeout_ms=100)
     assert redis_single.password not in str(ei.value) and "KVSTORE_REDIS_PASSWORD" in str(ei.value)
 

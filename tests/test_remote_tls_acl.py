@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import redis
 
-from bench.redis_local import free_port, launch, redis_server_path, server_argv
+from kvstore.bench.redis_local import free_port, launch, redis_server_path, server_argv
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint
 from kvstore.store import KVStore
-from kvstore.tiers.remote import RemoteAuthError, RemoteTier, RemoteTLSError, RemoteUnavailable
+from kvstore.tiers.redis.client import RemoteAuthError, RedisClient, RemoteTLSError, RemoteUnavailable
 
 from conftest import BLOCK, blocks_for, dram_gb, make_keys
 
@@ -67,11 +67,11 @@ def tls_server(tmp_path_factory):
     proc.wait()
 
 
-def _tier(url: str, **kw) -> RemoteTier:
+def _tier(url: str, **kw) -> RedisClient:
     args = dict(url=url, cluster=False, namespace=os.urandom(16), block_bytes=4096, ttl_s=600.0,
                 timeout_ms=1000, password=PASSWORD)
     args.update(kw)
-    return RemoteTier(**args)
+    return RedisClient(**args)
 
 
 def test_tls_round_trip(tls_server, monkeypatch):

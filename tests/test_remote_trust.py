@@ -21,13 +21,13 @@ import time
 import numpy as np
 import pytest
 
-from kvstore import fileformat as ff
+from kvstore.tiers import fileformat as ff
 from kvstore.config import ConfigError, from_dict
 from kvstore.keys import ModelFingerprint
 from kvstore.store import KVStore
-from kvstore.tiers import remote as remote_mod
-from kvstore.tiers.remote import RemoteTier, RemoteUnavailable
-from kvstore.tiers.remotevalue import MAC_BYTES
+from kvstore.tiers.redis import client as remote_mod
+from kvstore.tiers.redis.client import RedisClient, RemoteUnavailable
+from kvstore.tiers.redis.value import MAC_BYTES
 
 from conftest import BLOCK, blocks_for, dram_gb, make_keys
 from redis_servers import MODES, FakeRedis, redis_single  # noqa: F401
@@ -67,11 +67,11 @@ def _store(url, *, dram: int = 8, password: str | None = None, timeout_ms: int =
                 os.environ[k] = v
 
 
-def _failures(tier: RemoteTier) -> int:
+def _failures(tier: RedisClient) -> int:
     return sum(v for k, v in tier.stats.items() if k.startswith("errors_"))
 
 
-def _retry_now(tier: RemoteTier) -> None:
+def _retry_now(tier: RedisClient) -> None:
     """Wait out the backoff (made 10 ms from now on), so the next call goes to the network again."""
     tier._backoff = (0.01, 0.01)
     give_up = time.monotonic() + 5
@@ -94,18 +94,18 @@ def test_store_calls_end_by_the_deadline(mode):
             out = np.zeros((4, BLOCK), np.uint8)
             # fresh keys for each (a lookup's "absent" is remembered for a second)
             for name, op in (("lookup", lambda: s.contains_prefix(keys)), ("load", lambda: s.get(keys[8:12], out)),
-                             ("tier load", lambda: s.remote.get(keys[:4], list(out))),
+                             ("tier load", lambda: s.remote.client.get(keys[:4], list(out))),
                              ("store", lambda: (s.put(keys[16:20], blocks_for(keys[16:20])), s.flush()))):
-                _retry_now(s.remote)
-                n0, f0 = len(srv.commands), _failures(s.remote)
+                _retry_now(s.remote.client)
+                n0, f0 = len(srv.commands), _failures(s.remote.client)
                 dt, got = elapsed(op)
                 assert dt < BOUND, (mode, name, dt)
                 assert len(srv.commands) > n0, (mode, name)  # it did go to the server
-                assert _failures(s.remote) > f0, (mode, name)  # and counted a failure (a bad handshake too)
+                assert _failures(s.remote.client) > f0, (mode, name)  # and counted a failure (a bad handshake too)
             assert got[0] == 4  # the store kept them in DRAM
             assert s.remote.stats["puts"] == 0 and s.remote.stats["hits"] == 0
         finally:
-            _retry_now(s.remote)
+            _retry_now(s.remote.client)
             s.put(keys[24:28], blocks_for(keys[24:28]))  # a write-through in flight
             dt, _ = elapsed(s.close)
         assert dt < BOUND, (mode, "close", dt)
@@ -117,7 +117,7 @@ def test_store_calls_end_by_the_deadline(mode):
 def test_tier_calls_end_by_the_deadline(mode):
     """Each call of the tier itself, the start-up check and a remote-only store's put included."""
     with FakeRedis(mode) as srv:
-        t = RemoteTier(url=srv.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
+        t = RedisClient(url=srv.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
                        timeout_ms=T_MS, io_threads=1, backoff_s=(0.01, 0.01))
         keys = make_keys(8, seed=2)
         blocks = list(blocks_for(keys))
@@ -139,7 +139,7 @@ def test_tier_calls_end_by_the_deadline(mode):
             assert not t.up and (name == "check" or _failures(t) > f0), (mode, name)
         s = _store(srv.url, dram=0, timeout_ms=T_MS)  # the remote tier alone: put asks, then writes, synchronously
         try:
-            _retry_now(s.remote)
+            _retry_now(s.remote.client)
             dt, n = elapsed(s.put, keys, blocks_for(keys))
             assert dt < BOUND and n == 0, (mode, dt, n)
         finally:
@@ -152,7 +152,7 @@ def test_a_call_waits_for_a_pooled_connection_until_its_deadline_only():
     """One pooled connection, held by something slower than a call (``scan``, which has no
     deadline: kvstore inspect's): a call waiting for it gives up by its own deadline."""
     with FakeRedis("trickle") as srv:
-        t = RemoteTier(url=srv.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=None,
+        t = RedisClient(url=srv.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=None,
                        timeout_ms=T_MS, io_threads=1, backoff_s=(0.0, 0.0))
         held = threading.Event()
         scanning = threading.Thread(target=lambda: (held.set(), pytest.raises(RemoteUnavailable, list, t.scan())))
@@ -169,7 +169,7 @@ def test_a_cluster_call_is_bounded_as_a_whole():
     """Two trickling masters: their pipelines run in parallel, one deadline for the call."""
     with FakeRedis("trickle") as a, FakeRedis("trickle") as b:
         a.slots = b.slots = [(0, 8191, a.port), (8192, 16383, b.port)]
-        t = RemoteTier(url=[a.url, b.url], cluster=True, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
+        t = RedisClient(url=[a.url, b.url], cluster=True, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
                        timeout_ms=T_MS, io_threads=2, backoff_s=(0.01, 0.01))
         keys = make_keys(64, seed=3)
         for name, op in (("exists", lambda: t.exists(keys)),
@@ -185,7 +185,7 @@ def test_a_cluster_call_is_bounded_as_a_whole():
 
 def test_a_tls_handshake_that_never_ends_is_bounded():
     with FakeRedis("silent") as srv:
-        t = RemoteTier(url=f"rediss://127.0.0.1:{srv.port}", cluster=False, namespace=os.urandom(16),
+        t = RedisClient(url=f"rediss://127.0.0.1:{srv.port}", cluster=False, namespace=os.urandom(16),
                        block_bytes=BLOCK, ttl_s=60.0, timeout_ms=T_MS, backoff_s=(0.01, 0.01))
         t0 = time.monotonic()
         with pytest.raises(RemoteUnavailable):
@@ -219,22 +219,22 @@ def test_no_block_crosses_between_secrets(redis_single, caplog):  # noqa: F811
     plain = _store(redis_single.url, dram=0, password=pw)
     try:
         assert a.put(keys, blocks_for(keys)) == 12
-        assert a.remote.namespace == other.remote.namespace != plain.remote.namespace
+        assert a.remote.client.namespace == other.remote.client.namespace != plain.remote.client.namespace
         assert plain.contains_prefix(keys).num_blocks == 0  # a store without a secret does not even see them
         assert _served(same, keys) == 12  # the same secret: every block
         assert _served(other, keys) == 0  # another secret: none
         assert _corrupt(other, "unauthenticated") >= 1
         c = redis_single.client()
-        gone = [c.exists(a.remote.redis_key(k)) for k in keys]
+        gone = [c.exists(a.remote.client.redis_key(k)) for k in keys]
         assert gone[0] == 0  # refused values are deleted (the other store's prefix ended at the first)
-        text = caplog.text + repr(a.remote) + repr(a.remote.values) + repr(vars(a.remote))
+        text = caplog.text + repr(a.remote) + repr(a.remote.client.values) + repr(vars(a.remote))
         assert SECRET_A not in text and SECRET_B not in text
     finally:
         for s in (a, same, other, plain):
             s.close()
 
 
-def _forge(tier: RemoteTier, key: bytes, block: np.ndarray, *, flags: int, tail: bytes) -> bytes:
+def _forge(tier: RedisClient, key: bytes, block: np.ndarray, *, flags: int, tail: bytes) -> bytes:
     """A value with a valid header and xxh3 for ``key`` in the tier's namespace, as any writer to
     Redis can build it from the key name alone."""
     head = ff.header_bytes(ff.Header(tier.values.codec_id, BLOCK, ff.checksum(block), time.time(), tier.namespace,
@@ -252,15 +252,15 @@ def test_a_forged_value_is_refused_and_deleted(redis_single, how):  # noqa: F811
     try:
         assert s.put(keys, blocks_for(keys)) == 3
         c = redis_single.client()
-        name = s.remote.redis_key(keys[1])
+        name = s.remote.client.redis_key(keys[1])
         honest = c.get(name)
         evil = np.full(BLOCK, 7, np.uint8)
         if how == "no_mac":  # valid header and xxh3, flags 0, no MAC
-            forged = _forge(s.remote, keys[1], evil, flags=0, tail=b"")
+            forged = _forge(s.remote.client, keys[1], evil, flags=0, tail=b"")
         elif how == "random_mac":  # flagged, of the right length, a MAC made without the secret
-            forged = _forge(s.remote, keys[1], evil, flags=ff.FLAG_MAC, tail=os.urandom(MAC_BYTES))
+            forged = _forge(s.remote.client, keys[1], evil, flags=ff.FLAG_MAC, tail=os.urandom(MAC_BYTES))
         else:  # the honest value's MAC after an unflagged header: the header is inside the MAC
-            forged = _forge(s.remote, keys[1], blocks_for(keys[1:2])[0], flags=0, tail=honest[-MAC_BYTES:])
+            forged = _forge(s.remote.client, keys[1], blocks_for(keys[1:2])[0], flags=0, tail=honest[-MAC_BYTES:])
         c.set(name, forged)
         assert _served(reader, keys) == 1  # the prefix ends at the forged block; nothing wrong is served
         assert _corrupt(reader, "unauthenticated") == 1 and c.exists(name) == 0
@@ -303,7 +303,7 @@ def test_secrets_come_only_from_a_sound_environment(redis_single):  # noqa: F811
 
 def test_one_warning_without_a_secret(redis_single, caplog):  # noqa: F811
     remote_mod._warned_unauthenticated.clear()
-    caplog.set_level(logging.WARNING, logger="kvstore.tiers.remote")
+    caplog.set_level(logging.WARNING, logger="kvstore.tiers.redis.client")
     stores = [_store(redis_single.url, password=redis_single.password) for _ in range(2)]
     for s in stores:
         s.close()
@@ -320,7 +320,7 @@ def test_a_list_under_a_kvstore_key_heals(redis_single):  # noqa: F811
     try:
         assert a.put(keys, blocks_for(keys)) == 4
         c = redis_single.client()
-        name = a.remote.redis_key(keys[2])
+        name = a.remote.client.redis_key(keys[2])
         c.delete(name)
         c.rpush(name, b"not a block")
         # found at the lookup: absent there, counted and deleted (before: present, every load failed)
@@ -344,7 +344,7 @@ def test_a_list_under_a_kvstore_key_heals(redis_single):  # noqa: F811
 
 def test_a_huge_value_is_refused_without_being_read(redis_single):  # noqa: F811
     keys = make_keys(2, seed=8)
-    t = RemoteTier(url=redis_single.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
+    t = RedisClient(url=redis_single.url, cluster=False, namespace=os.urandom(16), block_bytes=BLOCK, ttl_s=60.0,
                    timeout_ms=2000, password=redis_single.password)
     assert t.put(keys, list(blocks_for(keys))) == [True, True]
     c = redis_single.client()
@@ -369,14 +369,14 @@ def test_a_huge_value_is_refused_without_being_read(redis_single):  # noqa: F811
 
 def test_inspect_reads_macd_values_as_blocks(redis_single):  # noqa: F811
     """``kvstore inspect`` knows a MAC'd value's length (header + payload + 32 bytes)."""
-    from kvstore.inspect_remote import inspect_remote
+    from kvstore.ops.inspect import inspect_remote
 
     s = _store(redis_single.url, dram=0, password=redis_single.password, secret=SECRET_A)
     try:
         keys = make_keys(3, seed=9)
         assert s.put(keys, blocks_for(keys)) == 3
         info = inspect_remote(redis_single.url, password=redis_single.password)
-        ns = info["namespaces"][s.remote.namespace.hex()]
+        ns = info["namespaces"][s.remote.client.namespace.hex()]
         assert ns["blocks"] == 3 and ns["bad_values"] == 0 and info["bad_values"] == 0
         assert ns["bytes"] == 3 * (BLOCK + ff.HEADER_CORE + MAC_BYTES)
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.planner import Planner
-from kvstore.offload.replay import ReplayMemory, prompt_digest
+from kvstore.offload.replay import ReplayMemory
 
 BS = 4
 
@@ -100,7 +100,7 @@ def test_the_digest_names_the_exact_prompt(worker):
     st = planner.track("r1", t, len(t))  # asked again (a preempted request): not seen again
     assert len(planner.replays) == n and st.replay is False
     st2 = planner.track("fresh", t + [5], 18)  # a resumed request's live tokens include its output
-    assert prompt_digest(planner, st2) == prompt_digest(planner, planner.reqs["r2"])
+    assert planner._digest(st2) == planner._digest(planner.reqs["r2"])
 
 
 def test_served_tokens_split_by_kind_and_a_failed_load_counts_nothing(worker):
@@ -175,8 +175,8 @@ def test_the_trace_records_the_first_lookup_and_tokens_only_when_asked(worker, t
 
 
 def test_stats_shows_the_split():
-    from kvstore import hitrate as stats
-    from kvstore.metrics import StoreMetrics
+    from kvstore.ops import stats
+    from kvstore.store.metrics import StoreMetrics
     from kvstore.offload.metrics import OffloadMetrics, RequestOutcome
 
     m = StoreMetrics()

@@ -110,7 +110,7 @@ def test_remote_values_get_the_hint(tmp_path, redis_single, monkeypatch):  # noq
         s.put(kept, blocks_for(kept), ttl_s=7200)
         s.flush()
         c = redis_single.client()
-        assert 0 < c.pttl(s.remote.redis_key(plain[0])) <= 600_000
-        assert 600_000 < c.pttl(s.remote.redis_key(kept[0])) <= 7_200_000
+        assert 0 < c.pttl(s.remote.client.redis_key(plain[0])) <= 600_000
+        assert 600_000 < c.pttl(s.remote.client.redis_key(kept[0])) <= 7_200_000
     finally:
         s.close()

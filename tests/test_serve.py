@@ -39,7 +39,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore import fileformat as ff  # noqa: E402
+from kvstore.tiers import fileformat as ff  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -229,7 +229,7 @@ def temp_files(store: Path) -> list[Path]:
 
 def check_store_folder(store: Path, namespace: str, keys: list[bytes]) -> None:
     """Every key's block file is there under its own key, private modes, nothing half-written."""
-    from kvstore.tiers.folder import read_header
+    from kvstore.tiers.nvme.folder import read_header
 
     assert temp_files(store) == [], f"temporary files left behind: {temp_files(store)[:5]}"
     missing = [k.hex() for k in keys if not block_path(store, namespace, k).is_file()]
@@ -247,7 +247,7 @@ def check_store_folder(store: Path, namespace: str, keys: list[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
 

@@ -279,7 +279,7 @@ def test_temporary_nvme_folder_is_removed_at_close(clock):
     s = KVStore(tiny_config(None), block_bytes=BLOCK, fingerprint=FP, clock=clock)
     keys = make_keys(6)
     s.put(keys, blocks_for(keys))
-    folder = Path(s._tmpdir)
+    folder = s.nvme.root.parent  # a temporary folder, made for this store
     assert folder.exists()
     s.close()
     assert not folder.exists()
@@ -406,8 +406,8 @@ def test_miss_reason_evicted(make_store, tmp_path):
     s.put([k], block_for(k)[None])
     s.flush()
     assert s.contains_prefix([k]).num_blocks == 1
-    with s._ghost_lock:
-        assert k not in s._ghosts
+    with s.chain.lock:
+        assert k not in s.chain._ghosts
 
 
 def test_miss_reason_expired(make_store, clock):

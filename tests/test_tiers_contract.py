@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import fileformat as ff
-from kvstore.memory import alloc_aligned
-from kvstore.policy import POLICIES
+from kvstore.tiers import fileformat as ff
+from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.policy import POLICIES
 from kvstore.tiers import DramTier, NvmeTier
-from kvstore.tiers.folder import probe_o_direct, probe_xattr
+from kvstore.tiers.nvme.folder import probe_o_direct, probe_xattr
 
 from conftest import BLOCK, ODD_BLOCK, block_for, check_tier, nvme_files, one_key
 

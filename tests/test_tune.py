@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from kvstore.config import ConfigError, GiB, from_dict, load_config
-from kvstore.index import TierIndex
-from kvstore.policy import make_policy
+from kvstore.tiers.index import TierIndex
+from kvstore.tiers.policy import make_policy
 from kvstore.trace import TraceError
 from kvstore.tune import Simulator, from_records, load_trace, synth_records
 from kvstore.tune import grid as G
 from kvstore.tune.cli import main as tune_main
 from kvstore.tune.trace_memory import write_records
 from kvstore.tune.tuner import choose, tune
-from kvstore.tune.verify import replay_store
+from store_replay import replay_store
 
 from conftest import FP, dram_gb, make_keys
 
@@ -298,7 +298,7 @@ def test_store_honors_ttl_shared(clock, tmp_path):
 def test_a_trace_recorded_by_vllm_can_be_tuned(tmp_path):
     pytest.importorskip("vllm")
     import test_vllm_connector as V  # noqa: E402  (sets the vLLM environment for this process)
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(str(tmp_path / "m"), hidden=256, layers=4, seed=0)
     trace = tmp_path / "trace.jsonl"
@@ -334,8 +334,8 @@ def _state(sim):
 
 def test_placement_scenario_step_by_step(tmp_path):
     """A 2-slot DRAM over a 4-file NVMe, write-back, LRU. Each step spells out what the rules of
-    kvstore.placement do; the real store (replay_store) must agree on every hit and miss."""
-    from kvstore import placement
+    kvstore.store.placement do; the real store (replay_store) must agree on every hit and miss."""
+    from kvstore.store import placement
 
     def rec(t, s, blocks):
         return {"t": t, "session": s, "blocks": [b.to_bytes(16, "little").hex() for b in blocks],

@@ -21,7 +21,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 vllm = pytest.importorskip("vllm")
 
-from bench.engine import Engine as BenchEngine, connector_config, kv_transfer  # noqa: E402
+from kvstore.bench.engine import Engine as BenchEngine, connector_config, kv_transfer  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
 
@@ -41,7 +41,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_model_b(tmp_path_factory):
     """Same shapes, other weights: a different model fingerprint (other name)."""
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-b")), hidden=256, layers=4, seed=1)
 
@@ -153,7 +153,7 @@ def test_counters_are_exact_through_the_connector(tiny_model, tmp_path):
     every counter is checked exactly, and ``kvstore stats`` reads the same numbers over HTTP.
     Block 32; a 200-token prompt has 6 full blocks that may be offered (192 tokens; the 7th
     block holds the last token) and 8 tokens after them."""
-    from kvstore import hitrate as stats
+    from kvstore.ops import stats
 
     store = str(tmp_path / "s")
     a = prompt(200, 31)

@@ -21,12 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 def main() -> None:
     job = json.loads(sys.argv[1])
-    from bench.engine import Engine, connector_config, kv_transfer
+    from kvstore.bench.engine import Engine, connector_config, kv_transfer
 
     extra = connector_config(job["store"], dram_gb=job.get("dram_gb", 0.05), nvme_gb=job.get("nvme_gb", 1),
                              remote=job.get("remote"))
     eng = Engine(job["model"], block_size=job.get("block_size", 32), max_len=2048,
-                 kv_transfer=kv_transfer(extra, module_path="connectors.vllm.connector" if job.get("module_path")
+                 kv_transfer=kv_transfer(extra, module_path="kvstore.connectors.vllm.connector" if job.get("module_path")
                                          else None))
     rounds = []
     for _ in range(job.get("rounds", 1)):

@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.fault_families.common import FP, MountError, key_of, make_config, open_store, tmpfs
+from kvstore.bench.fault_families.common import FP, MountError, key_of, make_config, open_store, tmpfs
 from kvstore.config import ConfigError, from_dict
 
 def _expect(cases: list, name: str, fn: Callable[[], object], exc, must: tuple[str, ...] = ()) -> None:

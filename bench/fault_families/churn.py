@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from bench.fault_families.common import block_of, key_of, open_store, read_check
+from kvstore.bench.fault_families.common import block_of, key_of, open_store, read_check
 
 def proc_sample() -> dict:
     rss = 0

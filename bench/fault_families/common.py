@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from bench.stores import capacity_gb
-from bench.stores import open_store as _open
+from kvstore.bench.stores import capacity_gb
+from kvstore.bench.stores import open_store as _open
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint
 
@@ -133,15 +133,15 @@ class alarm:
 
 
 def _child_cmd(job: dict) -> list[str]:
-    code = (f"import sys; sys.path.insert(0, {REPO!r}); from bench.fault_families.common import child_main; "
+    code = (f"import sys; sys.path.insert(0, {REPO!r}); from kvstore.bench.fault_families.common import child_main; "
             "child_main(sys.argv[1])")
     return [sys.executable, "-c", code, json.dumps(job)]
 
 
 def child_main(arg: str) -> None:
     """Entry point of the writer/sharer child processes."""
-    from bench.fault_families.crash import _crash_writer
-    from bench.fault_families.sharing import _sharer
+    from kvstore.bench.fault_families.crash import _crash_writer
+    from kvstore.bench.fault_families.sharing import _sharer
 
     job = json.loads(arg)
     {"crash_writer": _crash_writer, "sharer": _sharer}[job["role"]](job)

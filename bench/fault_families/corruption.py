@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from bench.fault_families.common import Hang, alarm, block_of, corrupt_total, key_of, open_store, read_check
-from kvstore import fileformat as ff
+from kvstore.bench.fault_families.common import Hang, alarm, block_of, corrupt_total, key_of, open_store, read_check
+from kvstore.tiers import fileformat as ff
 
 _HFMT = "<8sIIIIQQd16s16s"
 
@@ -138,7 +138,7 @@ def damages(outside: Path) -> dict[str, Callable]:
 def corruption(folder, *, rounds: int = 1, seed: int = 0, block_bytes: int = 16384,
                advance: Callable[[], None] | None = None) -> dict:
     """Every damage, at read time and at the start-up scan, for each header layout."""
-    from kvstore.tiers.folder import probe_xattr
+    from kvstore.tiers.nvme.folder import probe_xattr
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)

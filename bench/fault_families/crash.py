@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.fault_families.common import _child_cmd, block_of, key_of, open_store, read_check, tier_vs_folder, walk_cache
+from kvstore.bench.fault_families.common import _child_cmd, block_of, key_of, open_store, read_check, tier_vs_folder, walk_cache
 
 CRASH_VARIANTS = [  # (DRAM blocks, header layout): write-back demotions and both file layouts
     (0, "inline"), (4, "inline"), (0, "xattr"), (4, "xattr")]

@@ -10,8 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from bench.fault_families.common import MountError, block_of, key_of, open_store, read_check, tmpfs
-from kvstore import fileformat as ff
+from kvstore.bench.fault_families.common import MountError, block_of, key_of, open_store, read_check, tmpfs
+from kvstore.tiers import fileformat as ff
 
 def disk_full(folder, *, size_mb: int = 3, seed: int = 0, block_bytes: int = 64 * 1024, rounds: int | None = None,
               advance: Callable[[], None] | None = None) -> dict:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench.fault_families.common import REPO
+from kvstore.bench.fault_families.common import REPO
 
 
 def family(work: str, *, quick: bool, advance=lambda n=1: None) -> dict:
@@ -18,18 +18,18 @@ def family(work: str, *, quick: bool, advance=lambda n=1: None) -> dict:
 
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vLLM is not installed"}
-    from bench.tiny_model import build_tiny_llama
+    from kvstore.bench.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(os.path.join(work, "model"), hidden=256, layers=4, seed=0)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def drive(args, extra=None) -> dict:
-        p = subprocess.run([sys.executable, "-m", "bench.faults_engine", *args], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", "kvstore.bench.faults_engine", *args], capture_output=True, text=True,
                            env={**env, **(extra or {})}, cwd=REPO, timeout=1800)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if p.returncode or not lines:
-            raise RuntimeError(f"bench.faults_engine {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+            raise RuntimeError(f"kvstore.bench.faults_engine {' '.join(args)} failed:\n{p.stderr[-3000:]}")
         return json.loads(lines[-1][len("RESULT "):])
 
     ref, ref_store = os.path.join(work, "ref.json"), os.path.join(work, "ref-store")

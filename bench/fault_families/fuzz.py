@@ -12,9 +12,9 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from bench.fault_families.common import Hang, alarm, block_of, key_of, open_store, read_check
-from bench.fault_families.corruption import craft_header, get_header
-from kvstore import fileformat as ff
+from kvstore.bench.fault_families.common import Hang, alarm, block_of, key_of, open_store, read_check
+from kvstore.bench.fault_families.corruption import craft_header, get_header
+from kvstore.tiers import fileformat as ff
 
 def _fuzz_header(rng: random.Random, valid: bytes) -> bytes:
     r = rng.random()
@@ -51,7 +51,7 @@ def _meaning(raw: bytes):
 def fuzz(folder, *, inputs: int, files: int, seed: int = 0, block_bytes: int = 8192,
          advance: Callable[[int], None] | None = None) -> dict:
     """Header parser + tier checks on ``inputs`` fuzzed headers; ``files`` fuzzed real files."""
-    from kvstore.tiers.folder import probe_xattr
+    from kvstore.tiers.nvme.folder import probe_xattr
 
     rng = random.Random(seed)
     folder = Path(folder)

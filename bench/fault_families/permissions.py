@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from bench.fault_families.common import REPO, walk_cache
+from kvstore.bench.fault_families.common import REPO, walk_cache
 
 _BANNED = re.compile(r"\b(pickle|cPickle|marshal|shelve|dill|cloudpickle|joblib)\b|allow_pickle|np\.load\(|"
                      r"torch\.load\(|numpy\.load\(")

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from bench.fault_families.common import _child_cmd, block_of, key_of, open_store, read_check, tier_vs_folder
+from kvstore.bench.fault_families.common import _child_cmd, block_of, key_of, open_store, read_check, tier_vs_folder
 
 def _sharer(job: dict) -> None:
     me, other, bb, ops = job["id"], 1 - job["id"], job["block_bytes"], job["ops"]

@@ -30,15 +30,15 @@ from typing import Callable
 
 import numpy as np
 
-from bench import redis_local
-from bench.fault_families.common import FP, block_of, key_of, open_store
-from bench.fault_families.hostile import MODES, FakeRedis
-from bench.fault_families.trust_local import bad_settings, env, hijacks
-from bench.stores import capacity_gb
-from kvstore import fileformat as ff
+from kvstore.bench import redis_local
+from kvstore.bench.fault_families.common import FP, block_of, key_of, open_store
+from kvstore.bench.fault_families.hostile import MODES, FakeRedis
+from kvstore.bench.fault_families.trust_local import bad_settings, env, hijacks
+from kvstore.bench.stores import capacity_gb
+from kvstore.tiers import fileformat as ff
 from kvstore.config import from_dict
 from kvstore.store import KVStore
-from kvstore.tiers.remotevalue import MAC_BYTES
+from kvstore.tiers.redis.value import MAC_BYTES
 
 T_MS = 200  # timeout_ms of the stores facing hostile servers
 STALL_LIMIT = 1.5  # x timeout_ms: the bound per call
@@ -131,7 +131,7 @@ def _stall_calls(srv: FakeRedis, mode: str, tag: str, escaped: list) -> list[dic
              ("close", close))
     for name, op in calls:
         if s.remote is not None:
-            _network_now(s.remote)
+            _network_now(s.remote.client)
         n0 = len(srv.commands)
         t0 = time.monotonic()
         try:
@@ -179,7 +179,7 @@ def forged(srv, rounds: int, seed: int, *, secret: str | None) -> dict:
     served, tried, deleted, by_case, examples = 0, 0, 0, {f: 0 for f in FORGERIES}, []
     hon_written = hon_served = 0
     try:
-        ns, cid = honest.remote.namespace, honest.remote.values.codec_id
+        ns, cid = honest.remote.client.namespace, honest.remote.client.values.codec_id
         for r in range(rounds):
             hkeys = [key_of(f"honest-{seed}-{r}-{secret is None}", i) for i in range(4)]
             hon_written += honest.put(hkeys, np.stack([block_of(k, BB) for k in hkeys]))
@@ -189,19 +189,19 @@ def forged(srv, rounds: int, seed: int, *, secret: str | None) -> dict:
             for case in FORGERIES:
                 k = key_of(f"forged-{seed}-{r}-{case}-{secret is None}", 0)
                 evil = np.full(BB, 7, np.uint8)
-                name = honest.remote.redis_key(k)
+                name = honest.remote.client.redis_key(k)
                 if case == "no_mac":
                     c.set(name, forge(ns, cid, k, evil))
                 elif case == "random_mac":
                     c.set(name, forge(ns, cid, k, evil, flags=ff.FLAG_MAC, tail=os.urandom(MAC_BYTES)))
                 elif case == "secret_b":  # an engine with another secret stores it (the same namespace)
                     other.put([k], evil[None])
-                    name = other.remote.redis_key(k)
+                    name = other.remote.client.redis_key(k)
                 elif case == "replay":  # an honest value of another key, under this key
-                    c.set(name, c.get(honest.remote.redis_key(hkeys[0])))
+                    c.set(name, c.get(honest.remote.client.redis_key(hkeys[0])))
                 else:  # a valid value where engines without a secret keep theirs
                     plain.put([k], evil[None])
-                    name = plain.remote.redis_key(k)
+                    name = plain.remote.client.redis_key(k)
                 tried += 1
                 reader.contains_prefix([k])
                 out = np.zeros((1, BB), np.uint8)
@@ -251,7 +251,7 @@ def _heal_redis(srv, tag: str) -> list[tuple[str, bool]]:
         fresh = remote_store(srv.url, timeout_ms=5000, password=pw)
         try:
             writer.put(keys, np.stack([block_of(k, BB) for k in keys]))
-            name = writer.remote.redis_key(keys[1])
+            name = writer.remote.client.redis_key(keys[1])
             c.delete(name)
             c.rpush(name, b"not a block")
             if how == "list after a lookup":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fault_families.common import FP, REPO, block_of, key_of, open_store
+from kvstore.bench.fault_families.common import FP, REPO, block_of, key_of, open_store
 from kvstore.config import ConfigError, from_dict, load_config
 from kvstore.offload import rpc
 from kvstore.offload.metrics import OffloadMetrics
@@ -327,7 +327,7 @@ def _kvstore_config(folder: Path) -> dict:
     f.write_text("tiers:\n  dram: {capacity_gb: 100000, ttl_s: 0}\n  remote: {url: 'redis://127.0.0.1:99999/0'}\n")
     keys = ["tiers.dram.capacity_gb", "tiers.dram.ttl_s", "tiers.remote.url"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
-    r = subprocess.run([sys.executable, "-m", "kvstore.cli", "config", str(f)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "config", str(f)], capture_output=True, text=True,
                        env=clean, timeout=120, cwd=REPO)
     named = sorted(x.split("'")[1] for x in r.stderr.splitlines() if x.count("'") >= 2)
     ok = r.returncode == 2 and named == keys and "Traceback" not in r.stderr

@@ -1,9 +1,9 @@
 """vLLM adapter: ``KVStoreConnector``, registered through vLLM's plugin entry point.
 
 Installing kvstore registers the entry point ``vllm.general_plugins: kvstore =
-connectors.vllm:register``, so ``--kv-transfer-config '{"kv_connector":"KVStoreConnector",
+kvstore.connectors.vllm:register``, so ``--kv-transfer-config '{"kv_connector":"KVStoreConnector",
 "kv_role":"kv_both","kv_connector_extra_config":{"config":"configs/agent.yaml"}}'`` works
-without a module path; ``"kv_connector_module_path":"connectors.vllm.connector"`` works too.
+without a module path; ``"kv_connector_module_path":"kvstore.connectors.vllm.connector"`` works too.
 """
 
 NAME = "KVStoreConnector"
@@ -16,4 +16,4 @@ def register() -> None:
     except Exception:  # vLLM missing or too old: nothing to register
         return
     if NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(NAME, "connectors.vllm.connector", NAME)
+        KVConnectorFactory.register_connector(NAME, "kvstore.connectors.vllm.connector", NAME)

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore import kvcopy
 from kvstore.config import load_config
 from kvstore.keys import ModelFingerprint
-from kvstore.hitrate import render_engine
+from kvstore.ops.stats import render_engine
 from kvstore.trace import TraceWriter
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore import dtypes
-from kvstore.codecs.registry import CODEC_IDS, CODECS
 
 
 class CodecError(ValueError):
@@ -69,15 +68,12 @@ class Geometry:
 
 class Codec:
     name: str = "none"
+    id: int = 0  # in block headers (kvstore.codecs.registry sets it: make_codec)
     fixed_size: bool = True
 
     def __init__(self, geometry: Geometry):
         self.geometry = geometry
         self.block_bytes = geometry.block_bytes
-
-    @property
-    def id(self) -> int:
-        return CODEC_IDS[self.name]
 
     @property
     def encoded_bytes(self) -> int:
@@ -102,15 +98,3 @@ class Codec:
     def __repr__(self) -> str:
         g = self.geometry
         return f"<codec {self.name} {g.block_bytes}B {g.dtype}/{g.group_elems} -> <={self.encoded_bytes}B>"
-
-
-def make_codec(name: str, geometry: Geometry, zstd_level: int = 3) -> Codec:
-    """A codec by config name (:data:`kvstore.codecs.registry.CODECS`)."""
-    from kvstore.codecs.quant import QuantCodec
-    from kvstore.codecs.zstd import ZstdCodec
-
-    spec = CODECS.get(name)
-    if spec is None:
-        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODECS)}")
-    inner = Codec(geometry) if spec.quant is None else QuantCodec(geometry.checked(), spec.quant)
-    return ZstdCodec(inner, zstd_level) if spec.zstd else inner

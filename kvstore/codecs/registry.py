@@ -1,7 +1,7 @@
 """The codecs by name, in one place: what the config accepts, the id written in every block
 header (never reused: a file or a Redis value names its codec by it), and how each is built
 (an optional int8/fp8 quantizer, then optionally zstd). :func:`register_codec` adds one, as
-:func:`kvstore.policy.register_policy` adds a policy."""
+:func:`kvstore.tiers.policy.register_policy` adds a policy."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ for _spec in (CodecSpec("none", 0), CodecSpec("int8", 1, "int8"), CodecSpec("fp8
               CodecSpec("zstd", 3, None, True), CodecSpec("int8+zstd", 4, "int8", True),
               CodecSpec("fp8+zstd", 5, "fp8", True)):
     register_codec(_spec)
+
+
+def make_codec(name: str, geometry, zstd_level: int = 3):
+    """A codec by config name (:data:`CODECS`)."""
+    from kvstore.codecs.base import Codec
+    from kvstore.codecs.quant import QuantCodec
+    from kvstore.codecs.zstd import ZstdCodec
+
+    spec = CODECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODECS)}")
+    inner = Codec(geometry) if spec.quant is None else QuantCodec(geometry.checked(), spec.quant)
+    codec = ZstdCodec(inner, zstd_level) if spec.zstd else inner
+    codec.id = spec.id
+    return codec

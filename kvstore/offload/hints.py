@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from kvstore.handles import check_ttl
+from kvstore.store.handles import check_ttl
 
 log = logging.getLogger(__name__)
 

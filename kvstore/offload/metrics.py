@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstore.metrics import LATENCY_BUCKETS, MISS_REASONS, TIERS
+from kvstore.store.metrics import LATENCY_BUCKETS, MISS_REASONS, TIERS
 from kvstore.offload.hooktime import HookTotals
 
 # Why a prompt token the engine needed was not served: the store's miss reasons for the first
-# block it lacked (kvstore.metrics.MISS_REASONS), and
+# block it lacked (kvstore.store.metrics.MISS_REASONS), and
 #   partial_block  the tokens after the last full block, and the prompt's last token (the engine
 #                  must compute at least one token, so a block ending on it is never offered);
 #   load_failed    promised, but the load failed (a bad file, a read or copy error): recomputed;
@@ -118,7 +118,7 @@ class OffloadMetrics:
                 self.unsupplied_tokens.labels(why).inc(n)
 
     def summary(self) -> dict:
-        """The engine view of :func:`kvstore.hitrate.summarize` (logged by the connector at shutdown)."""
-        from kvstore.hitrate import summarize, values
+        """The engine view of :func:`kvstore.ops.stats.summarize` (logged by the connector at shutdown)."""
+        from kvstore.ops.stats import summarize, values
 
         return summarize(values(self.registry))["engine"]

@@ -49,7 +49,7 @@ from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.client import StoreClient
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.replay import GENUINE, REPLAY, ReplayMemory, prompt_digest
-from kvstore.stepcost import pairs
+from kvstore.store.stepcost import pairs
 from kvstore.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class StepPlan:
     idle: bool = False  # the engine scheduled no tokens in this step (it only waits for loads)
     prefill_tokens: int = 0  # of this step's scheduled tokens, those of prompts (for PrefillRate)
     tokens: int = 0  # all its scheduled tokens
-    pairs: int = 0  # their attention (query, context) pairs (kvstore.stepcost.pairs)
+    pairs: int = 0  # their attention (query, context) pairs (kvstore.store.stepcost.pairs)
     hook_s: dict = field(default_factory=dict)  # hook -> (seconds, calls) of a scheduler in another process
 
 
@@ -190,8 +190,16 @@ class Planner:
             st.arrival, st.session = arrival, session or req_id
             self.reqs[req_id] = st
             if st.cacheable:
-                st.replay = self.replays.see(prompt_digest(self, st))
+                st.replay = self.replays.see(self._digest(st))
         return st
+
+    def _digest(self, st: RequestState) -> int:
+        """The name of ``st``'s exact prompt (kvstore.offload.replay)."""
+        p, bs = st.num_prompt_tokens, self.bs
+        full = p // bs
+        keys = self.keys_upto(st, full)
+        mm = tuple(ident for s, e, ident in st.mm if e > full * bs and s < p)
+        return prompt_digest(keys[-1] if keys else self.root, st.tokens[full * bs:p], p, st.extra, mm)
 
     def lookup(self, st: RequestState, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` the store can supply, or None to be asked again."""

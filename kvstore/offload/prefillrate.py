@@ -1,6 +1,6 @@
 """The engine's forward passes, timed on the worker, for the lookup's "load or recompute?"
-decision (:func:`kvstore.placement.worth_loading`): each timed step gives its scheduled tokens,
-their attention pairs and its seconds to :class:`kvstore.stepcost.StepCost`.
+decision (:func:`kvstore.store.placement.worth_loading`): each timed step gives its scheduled tokens,
+their attention pairs and its seconds to :class:`kvstore.store.stepcost.StepCost`.
 
 A step counts when it is mostly prefill: at least ``min_tokens`` prompt tokens (a few blocks)
 and at least 90 % of the step's tokens (a decode-heavy step is bound by other costs). The time

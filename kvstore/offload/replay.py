@@ -23,13 +23,11 @@ a failed load counts nothing. Summed over ``kind`` it equals
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 from kvstore.keys import next_key
-from kvstore.metrics import KINDS
+from kvstore.store.metrics import KINDS
 
-if TYPE_CHECKING:
-    from kvstore.offload.planner import Planner, RequestState
 
 # Distinct prompts remembered. An OrderedDict entry of a 64-bit int key costs about 215 bytes
 # (measured with tracemalloc: 21.5 MB for 100,000 entries, full), so the memory stays under 22 MB.
@@ -61,12 +59,8 @@ class ReplayMemory:
         return len(self._seen)
 
 
-def prompt_digest(planner: "Planner", st: "RequestState") -> int:
-    """The 64-bit name of ``st``'s exact prompt (see the module doc)."""
-    p, bs = st.num_prompt_tokens, planner.bs
-    full = p // bs
-    keys = planner.keys_upto(st, full)
-    parent = keys[-1] if keys else planner.root
-    tail = list(st.tokens[full * bs:p])
-    mm = tuple(ident for s, e, ident in st.mm if e > full * bs and s < p)
-    return int.from_bytes(next_key(parent, tail, ("prompt", p, st.extra, mm))[:8], "little")
+def prompt_digest(parent: bytes, tail: Sequence[int], num_prompt_tokens: int, extra, mm: tuple) -> int:
+    """The 64-bit name of an exact prompt (see the module doc): the key of its last full block
+    (``parent``; the chain's root for a prompt without one), its tail tokens, its length, its
+    extra keys and the multimodal items that reach into the tail (``mm``)."""
+    return int.from_bytes(next_key(parent, list(tail), ("prompt", num_prompt_tokens, extra, mm))[:8], "little")

@@ -1,29 +1,30 @@
-"""The tier contract, shared by every medium.
+"""The tier contract: what the chain (:mod:`kvstore.store.chain`) asks of every medium.
 
-Index work (reserve/commit/acquire/release) happens under the tier's lock and is cheap; data
-movement (``write``/``read``) happens outside it, on entries that are pinned, so it can run on
-an I/O pool.
+A tier is an index (what it holds, capacity, TTL, pins) plus a medium (the bytes). Index work is
+cheap and runs under the tier's own lock; data moves (``read``/``write``) run outside it, on
+entries that are pinned, so they can run on an I/O pool.
 
-Victims are data, not callbacks: :meth:`Tier.begin_reserve` makes room in the index and returns
-the entries it pushed out (expired or evicted for capacity) *still holding their medium* (a
-DRAM slot, an NVMe file); the caller decides what each one needs (the store demotes a DRAM
-victim to NVMe, see :mod:`kvstore.demote`) and hands it back with :meth:`Tier.free` once that
-is done. :meth:`Tier.attach` then gives the new entries their medium, never waiting: an entry
-that finds none (every DRAM slot held by a pin or a demotion in flight) is dropped and counted.
-:meth:`reserve` does the three steps at once for a tier used alone (victims freed at once).
+Writes are two-phase: :meth:`Tier.begin_reserve` makes room and returns WRITING entries plus the
+*victims* it pushed out (expired or evicted), each still holding its medium; the caller decides
+what each one needs (the chain writes a DRAM victim down to NVMe) and returns it with
+:meth:`Tier.free`; :meth:`Tier.attach` gives the new entries their medium without waiting (no
+free slot: dropped and counted); :meth:`Tier.commit` publishes them. Reads pin entries
+(:meth:`Tier.acquire`) and unpin them (:meth:`Tier.release`; a failed read drops the entry).
+
+Two kinds: a *local* tier (:class:`kvstore.tiers.local.LocalTier`: DRAM, NVMe, the tuner's
+byte-less tiers) keeps its own index; a *shared* tier (``shared = True``: Redis) is written by
+every engine and keeps its index itself, so it is asked in batches (:meth:`leading`,
+:meth:`holds`), reserves nothing, pins nothing and has no victims.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from kvstore.index import EXPIRED, READY, Entry, TierIndex
-from kvstore.policy import make_policy
+from kvstore.tiers.index import Entry
 
 
 class Reservation(list):
@@ -43,18 +44,86 @@ class Reservation(list):
 
 class Tier(ABC):
     name: str = "tier"
+    shared: bool = False  # every engine writes it; asked in batches, never pinned (Redis)
+    addressable: bool = False  # its slots are memory the caller copies into and out of in place (DRAM)
+    fan_out: bool = False  # each block's I/O is worth a thread of the pool (NVMe files)
+    write_through: bool = False  # copy every block stored above into it at once (else: victims only)
+    admit_after: int = 0  # a block is written into it only after this many asks (placement.Admission)
 
-    def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
-                 clock: Callable[[], float] = time.time, entry_bytes: int | None = None):
-        self.block_bytes = int(block_bytes)
-        # what one block costs this medium (padding, header): the unit of capacity accounting
-        self.entry_bytes = int(entry_bytes or block_bytes)
-        self.clock = clock
-        self.index = TierIndex(capacity_bytes, ttl_s, make_policy(policy))
-        self.lock = threading.RLock()
-        self.stats = {"evicted": 0, "expired": 0, "corrupt": 0, "write_failed": 0}
+    # -- lookups -----------------------------------------------------------------------------------
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """READY and unexpired."""
 
-    # -- medium (no lock held; entries are pinned) -----------------------------------------------
+    def leading(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` it holds."""
+        n = 0
+        for k in keys:
+            if not self.contains(k):
+                break
+            n += 1
+        return n
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which ``keys`` it holds or is writing (one batch)."""
+        return [self.present_or_writing(k) for k in keys]
+
+    @abstractmethod
+    def present_or_writing(self, key: bytes) -> bool:
+        """READY and unexpired, or being written."""
+
+    def is_expired(self, key: bytes) -> bool:
+        """Still indexed, but past its TTL (not yet swept)."""
+        return False
+
+    def consult(self, what: str) -> None:
+        """Its ``capacity`` or ``ttl`` decided something (for the tuner, which skips settings
+        whose value never mattered)."""
+
+    # -- writes ------------------------------------------------------------------------------------
+    @abstractmethod
+    def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
+        """Phase 1 of a write, index only (see the module doc)."""
+
+    def attach(self, res: Reservation) -> Reservation:
+        """Give reserved entries their medium, never waiting (none free: None, ``res.no_slot``)."""
+        return res
+
+    @abstractmethod
+    def commit(self, entries: Sequence[Entry | None], oks: Sequence[bool], at: float | None = None,
+               session: str | None = None, keep_pinned: bool = False) -> None:
+        """Phase 2: publish written entries (``keep_pinned``: still pinned, for a caller that
+        reads them next), drop failed ones."""
+
+    def abort(self, entries: Sequence[Entry | None]) -> None:
+        """Drop reserved entries never written."""
+        self.commit(entries, [False] * len(entries))
+
+    # -- reads -------------------------------------------------------------------------------------
+    @abstractmethod
+    def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
+        """Pin entries for reading (a shared tier: entries for keys it was found to hold)."""
+
+    def touch(self, entries: Sequence[Entry | None], session: str | None = None, ttl: float | None = None) -> None:
+        """Count pinned entries as hits (recency, TTL; ``ttl``: a retention hint)."""
+
+    @abstractmethod
+    def release(self, entries: Sequence[Entry | None], oks: Sequence[bool] | None = None) -> None:
+        """Unpin after a read; an entry whose read failed leaves the index at once."""
+
+    def pin_all(self) -> list[Entry]:
+        """Every READY entry pinned, the policy's first victims first (for a write-back)."""
+        return []
+
+    # -- time and room -----------------------------------------------------------------------------
+    def expire(self, limit: int | None = None) -> list[Entry]:
+        """Take what is due out of the index (bounded); the victims keep their medium until :meth:`free`."""
+        return []
+
+    def free(self, victims: Sequence[Entry]) -> None:
+        """Release the medium of entries that left the index."""
+
+    # -- the medium (no lock held; entries pinned) -------------------------------------------------
     @abstractmethod
     def write(self, entry: Entry, src: np.ndarray) -> bool:
         """Store ``src`` (block_bytes of uint8) for a reserved entry. False on failure."""
@@ -63,217 +132,48 @@ class Tier(ABC):
     def read(self, entry: Entry, out: np.ndarray) -> bool:
         """Fill ``out`` with a pinned entry's bytes. False if the medium failed or was corrupt."""
 
-    @abstractmethod
-    def _free(self, entry: Entry) -> None:
-        """Release the medium behind an entry that left the index."""
+    def write_many(self, entries: Sequence[Entry], srcs: Sequence[np.ndarray]) -> list[bool]:
+        return [self.write(e, s) for e, s in zip(entries, srcs)]
 
-    def _assign(self, entry: Entry) -> bool:
-        """Attach medium to a freshly reserved entry (e.g. a free DRAM slot), never waiting.
-        False = none free now."""
+    def read_many(self, entries: Sequence[Entry], outs: Sequence[np.ndarray]) -> list[bool]:
+        return [self.read(e, o) for e, o in zip(entries, outs)]
+
+    def view(self, entry: Entry) -> np.ndarray:
+        """An addressable tier's block, in place (``block_bytes``)."""
+        raise TypeError(f"the {self.name} tier has no slots to view")
+
+    def slot_view(self, entry: Entry) -> np.ndarray:
+        """An addressable tier's whole slot (padded, page aligned: written to files in place)."""
+        raise TypeError(f"the {self.name} tier has no slots to view")
+
+    # -- accounting --------------------------------------------------------------------------------
+    ttl: float | None = None  # idle TTL of its blocks (None: no expiry)
+    stats: dict
+    corrupt_reasons: dict  # bad data found, by reason (the metrics sink reads it)
+    up: bool = True  # answering (kvstore_remote_up for a shared tier)
+
+    def error_counts(self) -> dict[str, int]:
+        """Failed operations by op (``kvstore_tier_errors_total``), counted by the tier itself."""
+        return {}
+
+    def resident_bytes(self) -> int:
+        """Bytes of an addressable tier resident in RAM."""
+        return 0
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the tier has its configured capacity (the DRAM pool is prepared in the background)."""
         return True
-
-    # -- index (cheap, under the lock) -----------------------------------------------------------
-    def contains(self, key: bytes) -> bool:
-        with self.lock:
-            return self.index.lookup(key, self.clock()) is not None
-
-    def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
-        """Phase 1 of a write, index only: WRITING entries (pinned, no medium yet), None where
-        present, pending or no room; ``victims``: what left the index to make room, medium intact
-        (the caller moves it if it must, then :meth:`free`; then :meth:`attach`)."""
-        out = Reservation()
-        evicted = out.victims
-        with self.lock:
-            now = self.clock()
-            for k in keys:
-                e = None
-                old = self.index.entries.get(k)
-                if old is not None and old.state == READY and old.expire_at <= now and not old.pins:
-                    evicted.append(self.index.remove(k, EXPIRED))  # present but expired: replace
-                    old = None
-                if old is None:
-                    e, ev = self.index.reserve(k, self.entry_bytes, now, ttl)
-                    evicted.extend(ev)
-                out.append(e)
-        self._count_victims(evicted)
-        return out
-
-    def attach(self, res: Reservation) -> Reservation:
-        """Give reserved entries their medium (outside the lock: WRITING entries are the caller's
-        alone). Never waits: an entry with none free is aborted, set to None, counted in
-        ``res.no_slot``."""
-        failed = []
-        for i, e in enumerate(res):
-            if e is not None and not self._assign(e):
-                failed.append(e)
-                res[i] = None
-        if failed:
-            with self.lock:
-                for e in failed:
-                    self.index.abort(e)
-                self.stats["no_room"] = self.stats.get("no_room", 0) + len(failed)
-            res.no_slot += len(failed)
-        return res
-
-    def abort(self, entries: Sequence[Entry | None]) -> None:
-        """Drop reserved entries never written (their medium, if any, is freed)."""
-        self.commit(entries, [False] * len(entries))
-
-    def reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
-        """The three steps for a tier used alone: victims are freed at once (nothing below)."""
-        res = self.begin_reserve(keys, ttl)
-        self.free(res.victims)
-        return self.attach(res)
-
-    def free(self, victims: Sequence[Entry]) -> None:
-        """Release the medium of entries that left the index (victims, once moved)."""
-        for e in victims:
-            self._free(e)
-
-    def commit(self, entries: Sequence[Entry | None], oks: Sequence[bool], at: float | None = None,
-               session: str | None = None, keep_pinned: bool = False) -> None:
-        """Phase 2 of a write: make written entries visible, drop failed ones.
-
-        ``keep_pinned`` leaves committed entries pinned (atomically), for a caller that reads
-        them next; it must ``release`` them.
-        """
-        entries, oks = list(entries), list(oks)
-        if len(entries) != len(oks):
-            raise ValueError(f"commit: {len(oks)} results for {len(entries)} entries")
-        failed = []
-        with self.lock:
-            now = self.clock() if at is None else at
-            # last block first: within a batch (a prefix chain) the head ends most recent, so
-            # the policy evicts a chain from its tail (a chain without its head is unreachable)
-            for e, ok in zip(reversed(entries), reversed(oks)):
-                if e is None:
-                    continue
-                if ok:
-                    self.index.commit(e, now, session)
-                    if keep_pinned:
-                        self.index.pin(e)
-                else:
-                    self.index.abort(e)
-                    failed.append(e)
-        for e in failed:
-            self._free(e)
-
-    def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
-        """Pin READY entries for reading. A hit refreshes recency and TTL (``touch=False``: the
-        caller decides later, with :meth:`touch`, which of them count as hits)."""
-        out = []
-        with self.lock:
-            now = self.clock()
-            for k in keys:
-                e = self.index.lookup(k, now)
-                if e is not None:
-                    self.index.pin(e)
-                out.append(e)
-            if touch:
-                self._touch_locked(out, now, session)
-        return out
-
-    def touch(self, entries: Sequence[Entry | None], session: str | None = None, ttl: float | None = None) -> None:
-        """Count pinned entries as hits (refresh recency and TTL; ``ttl``: a retention hint,
-        the entries' idle TTL becomes at least that)."""
-        with self.lock:
-            self._touch_locked(entries, self.clock(), session, ttl)
-
-    def _touch_locked(self, entries: Sequence[Entry | None], now: float, session: str | None,
-                      ttl: float | None = None) -> None:
-        for e in reversed(entries):  # head of the chain ends most recent (see commit)
-            if e is not None and self.index.entries.get(e.key) is e:
-                if ttl is not None:
-                    self.index.extend(e, ttl)
-                self.index.touch(e, now, session)
-
-    def present_or_writing(self, key: bytes) -> bool:
-        """READY and unexpired, or being written (WRITING)."""
-        with self.lock:
-            return self.index.lookup(key, self.clock()) is not None or self.index.writing_entry(key) is not None
-
-    def is_expired(self, key: bytes) -> bool:
-        """Still in the index, but past its TTL (not yet swept)."""
-        with self.lock:
-            e = self.index.entries.get(key)
-            return e is not None and e.state == READY and e.expire_at <= self.clock()
-
-    def release(self, entries: Sequence[Entry | None], oks: Sequence[bool] | None = None) -> None:
-        """Unpin after a read; an entry whose read failed leaves the index at once (corrupt or
-        gone), its medium freed by its last reader."""
-        dropped = []
-        with self.lock:
-            for i, e in enumerate(entries):
-                if e is None:
-                    continue
-                if self.index.unpin(e):  # the last reader of a condemned entry
-                    dropped.append(e)
-                elif oks is not None and not oks[i] and self.index.entries.get(e.key) is e:
-                    if self.index.condemn(e, "corrupt"):
-                        dropped.append(e)
-        for e in dropped:
-            self._free(e)
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        gone = []
-        with self.lock:
-            for k in keys:
-                e = self.index.remove(k, "removed")
-                if e is not None:
-                    gone.append(e)
-        for e in gone:
-            self._free(e)
-        return len(gone)
-
-    def expire(self, limit: int | None = None) -> list[Entry]:
-        """Take what is due out of the index (bounded); the victims keep their medium (see
-        :meth:`begin_reserve`) until :meth:`free`."""
-        with self.lock:
-            ev = self.index.expire(self.clock(), limit)
-        self._count_victims(ev)
-        return ev
-
-    def sweep(self, limit: int | None = None) -> int:
-        """Expire what is due and free it (a tier used alone)."""
-        ev = self.expire(limit)
-        self.free(ev)
-        return len(ev)
-
-    def _count_victims(self, evicted: list[Entry]) -> None:
-        if evicted:
-            exp = sum(1 for e in evicted if e.reason == EXPIRED)
-            self.count("expired", exp)
-            self.count("evicted", len(evicted) - exp)
-
-    def count(self, stat: str, n: int = 1) -> None:
-        """Add to a tier statistic (thread-safe)."""
-        if n:
-            with self.lock:
-                self.stats[stat] = self.stats.get(stat, 0) + n
-
-    # -- conveniences (used by tests and simple callers) -------------------------------------------
-    def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray]) -> int:
-        entries = self.reserve(keys)
-        oks = [self.write(e, b) if e is not None else False for e, b in zip(entries, blocks)]
-        self.commit(entries, oks)
-        return sum(oks)
-
-    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
-        entries = self.acquire(keys)
-        oks = [self.read(e, o) if e is not None else False for e, o in zip(entries, outs)]
-        self.release(entries, oks)
-        return oks
 
     @property
     def used_bytes(self) -> int:
-        return self.index.used
+        return 0
 
     @property
     def capacity_bytes(self) -> int:
-        return self.index.capacity
+        return 0
 
     def __len__(self) -> int:
-        return len(self.index)
+        return 0
 
     def close(self) -> None:
         pass

@@ -5,7 +5,7 @@
                  [--out CFG.yaml] [--json RES.json] [--plots DIR]
 
 Every setting is a replay of the trace through the store's own tier accounting
-(kvstore.index.TierIndex + the policy registry, with the store's demotion and promotion rules)
+(kvstore.tiers.index.TierIndex + the policy registry, with the store's demotion and promotion rules)
 on a virtual clock. The recommendation maximizes the prefill tokens saved within the budget
 (or the net value under a cost model); among equally good settings it prefers the one serving
 more from DRAM, then the smallest footprint. The YAML it writes is a complete config, usable
@@ -141,7 +141,7 @@ def _run(a) -> int:
                       nvme_ttl_shared=a.nvme_ttl_shared if a.nvme_ttl_shared is not None else n.ttl_shared_s,
                       write_mode=n.write_mode, nvme_header="inline" if n.header == "inline" else "xattr",
                       dram_headroom=d.headroom_blocks)
-    from kvstore.policy import POLICIES
+    from kvstore.tiers.policy import POLICIES
 
     for pol in (common.dram_policy, common.nvme_policy):
         if pol not in POLICIES:

@@ -1,66 +1,46 @@
-"""Replay requests through the store's own tier accounting with a virtual clock (no bytes moved).
+"""Replay requests through the store's own tier chain with a virtual clock (no bytes moved).
 
-:class:`Simulator` drives two :class:`kvstore.index.TierIndex` objects (policies from
-:func:`kvstore.policy.make_policy`) through exactly the calls :class:`kvstore.store.KVStore`
-makes for one request of the connector — ``contains_prefix``, a load of the matched prefix
-(``get``: pin, count hits, promote NVMe blocks into DRAM) and a ``put`` of the prompt's full
-blocks — with the store's cross-tier rules, which come from :mod:`kvstore.placement` (the
-module the store calls too; the store's pieces are in :mod:`kvstore.tune.simtiers`):
+:class:`Simulator` builds a :class:`kvstore.store.chain.TierChain` over tiers that hold no bytes
+(:class:`kvstore.tiers.nobytes.NoBytesTier`: a DRAM of slots, an NVMe of files) and drives it
+through the calls :class:`kvstore.store.KVStore` makes for one request of the connector: the
+lookup (``contains_prefix``), a load of the matched prefix (pin, promote the lower tier's blocks
+into DRAM, release) and a ``put`` of the prompt's full blocks (reserve, commit, write through,
+the blocks that found no slot straight to NVMe). Every rule (admission, demotion, promotion,
+eviction, TTL, miss reasons, the DRAM slots and their headroom) is the chain's and the tiers'
+own, so a simulated run follows the store by construction; ``tests/test_tune.py`` replays a
+trace through a real store beside it and checks that they agree.
 
-* a DRAM victim (expired or evicted for capacity) is demoted to NVMe unless NVMe already holds
-  it or it is already past NVMe's TTL (counted from its last access); the NVMe copy keeps the
-  DRAM recency. The demotion runs in the background: its NVMe entry is reserved at once, its
-  DRAM slot stays taken until the write is done. The model: background writes (demotions,
-  write-through copies) complete at the end of each store call (``get``, ``put``), in the
-  order they were started (what :func:`kvstore.tune.verify.replay_store` makes the real store
-  do); within a call, a block that finds no free DRAM slot is skipped (``put`` writes it to
-  NVMe instead; a promotion reads it without keeping it in DRAM);
-* an NVMe hit is promoted (copied) into DRAM; keys NVMe holds are not stored in DRAM again;
-* entry sizes: a DRAM slot is the block rounded up to 4 KiB, DRAM capacity a whole number of
-  slots; an NVMe file is the same padded size (the ``xattr`` header layout, the default where
-  the file system keeps xattrs; ``nvme_header="inline"`` adds the 4 KiB header);
-* admission to NVMe (``tiers.nvme.admit_after``) as the store's
-  (:class:`kvstore.placement.Admission`): a block's asks are its commit and its hits (counted by
-  :class:`kvstore.index.TierIndex`), plus those remembered from when it was turned away; a DRAM
-  victim without them is dropped, a store straight to NVMe without them is not written; NVMe
-  bytes written are counted (block bytes, as the store's
-  ``kvstore_tier_written_bytes_total{tier="nvme"}``);
-* miss reasons as the store's: ``expired`` (still indexed, past its TTL), then what the store
-  remembers about keys that left (a bounded "ghost" list: ``evicted`` / ``expired`` /
-  ``not_admitted``), then
-  ``diverged`` (a prefix matched) or ``never_stored``; ``below_min`` for a request without a
-  full block.
+The model of time: background moves (demotions, write-through copies) complete at the end of
+each store call (``get``, ``put``), in the order they were started; within a call, a victim
+being written down keeps its DRAM slot. Entry sizes: a DRAM slot is the block rounded up to
+4 KiB, DRAM capacity a whole number of slots less the headroom; an NVMe file is the same padded
+size (the ``xattr`` header layout, the default where the file system keeps xattrs;
+``nvme_header="inline"`` adds the 4 KiB header).
 
-Only prompt blocks are stored (output blocks have no keys in a trace). Keys may be any
-hashable (the tuner interns them to ints). The simulator also records whether a tier's
-capacity or TTL was ever *consulted* (a reserve found the tier full; an entry was seen past its
-TTL): a run where it was not gives identical results for any larger capacity or TTL, which the
-grid search uses to skip work.
+Only prompt blocks are stored (output blocks have no keys in a trace). Keys may be any hashable
+(the tuner interns them to ints). The simulator also reports whether a tier's capacity or TTL
+was ever *consulted* (the tiers' indexes record it: a reserve found the tier full; an entry was
+seen past its TTL): a run where it was not gives identical results for any larger capacity or
+TTL, which the grid search uses to skip work.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from typing import Hashable, Sequence
 
-from kvstore import placement
-from kvstore.fileformat import file_bytes, round_up
-from kvstore.index import READY, Entry, TierIndex
-from kvstore.policy import make_policy
-from kvstore.tune.simtiers import SimTiers
+from kvstore.store.chain import COPY, DEMOTE, FREE, Plan, TierChain
+from kvstore.tiers.dram.tier import headroom_slots
+from kvstore.tiers.fileformat import file_bytes, round_up
+from kvstore.tiers.nobytes import NoBytesTier
 
-
-def _none(_k):
-    return None
-
-
+NAMES = ("dram", "nvme")  # the tiers a result names
 REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "not_admitted")
 GHOST_CAPACITY = 1 << 17  # KVStore's default ghost_capacity
 
 
-class Simulator(SimTiers):
-    """Two tiers (either may be disabled with capacity 0) and the store's rules between them."""
+class Simulator:
+    """Two tiers (either may be disabled with capacity 0) under the store's chain."""
 
     def __init__(self, *, block_bytes: int, dram_bytes: int, nvme_bytes: int,
                  dram_ttl: float | None = None, nvme_ttl: float | None = None,
@@ -76,21 +56,29 @@ class Simulator(SimTiers):
         self.slot_bytes = round_up(self.block_bytes)
         self.nvme_entry_bytes = self.slot_bytes if nvme_header != "inline" else file_bytes(self.block_bytes)
         self.n_slots = int(dram_bytes) // self.slot_bytes
-        self.D: TierIndex | None = None
-        self.N: TierIndex | None = None
+        self.now = 0.0
+        clock = self._clock
+        tiers = []
         if dram_bytes > 0 and self.n_slots > 0:  # as KVStore: a pool without a slot is no tier
-            self.headroom = placement.dram_headroom(self.n_slots, dram_headroom, has_lower=nvme_bytes > 0)
-            self.D = TierIndex((self.n_slots - self.headroom) * self.slot_bytes, dram_ttl, make_policy(dram_policy),
-                               ttl_shared_s=dram_ttl_shared)
+            self.headroom = headroom_slots(self.n_slots, dram_headroom, has_lower=nvme_bytes > 0)
+            dram = NoBytesTier("dram", capacity_bytes=(self.n_slots - self.headroom) * self.slot_bytes,
+                               ttl_s=dram_ttl, policy=dram_policy, entry_bytes=self.slot_bytes, clock=clock,
+                               slots=self.n_slots)
+            dram.index.ttl_shared = dram_ttl_shared
+            tiers.append(dram)
         if nvme_bytes > 0:
-            self.N = TierIndex(int(nvme_bytes), nvme_ttl, make_policy(nvme_policy), ttl_shared_s=nvme_ttl_shared)
-        self.write_through = write_mode == "write_through"
-        self.free_slots = self.n_slots  # DRAM slots neither attached to an entry nor held by a demotion
-        self._deferred: list[tuple] = []  # background writes of the current call, in start order
-        self.skipped = 0  # blocks that found no free DRAM slot
-        self._ghosts: OrderedDict[Hashable, str] = OrderedDict()
-        self._ghost_cap = ghost_capacity
-        self.adm = placement.Admission(admit_after if self.N is not None else 0, ghost_capacity)
+            nvme = NoBytesTier("nvme", capacity_bytes=int(nvme_bytes), ttl_s=nvme_ttl, policy=nvme_policy,
+                               entry_bytes=self.nvme_entry_bytes, clock=clock)
+            nvme.index.ttl_shared = nvme_ttl_shared
+            nvme.write_through = write_mode == "write_through"
+            nvme.admit_after = admit_after
+            tiers.append(nvme)
+        self.tiers = {t.name: t for t in tiers}  # the results name both, present or not
+        self.D = self.tiers["dram"].index if "dram" in self.tiers else None
+        self.N = self.tiers["nvme"].index if "nvme" in self.tiers else None
+        self.chain = TierChain(tiers, clock=clock, ghost_capacity=ghost_capacity)
+        self.adm = self.chain.adm
+        self._deferred: list = []  # background moves of the current call, in start order
         self.record_samples = record_samples
         # results
         self.requests = 0
@@ -104,6 +92,7 @@ class Simulator(SimTiers):
         self.miss_tokens = dict.fromkeys(REASONS, 0)
         self.evicted = {"dram": 0, "nvme": 0}  # for capacity
         self.expired = {"dram": 0, "nvme": 0}
+        self.skipped = 0  # blocks that found no free DRAM slot
         self.demotions = 0
         self.promotions = 0
         self.nvme_writes = 0  # blocks written to NVMe (demotions, write-through copies, puts)
@@ -112,10 +101,22 @@ class Simulator(SimTiers):
         self.byte_seconds = {"dram": 0.0, "nvme": 0.0}  # time integral of bytes held
         self.t0: float | None = None
         self.t_last: float | None = None
-        # was the capacity / TTL of a tier ever consulted (see the module doc)
-        # (a disabled tier counts as consulted: a larger capacity enables it, a different run)
-        self.cap_used = {"dram": self.D is None, "nvme": self.N is None}
-        self.ttl_used = {"dram": False, "nvme": False}
+
+    def _clock(self) -> float:
+        return self.now
+
+    @property
+    def cap_used(self) -> dict[str, bool]:
+        """Was a tier's capacity ever consulted (a disabled tier counts: a larger capacity enables it)."""
+        return {n: n not in self.tiers or self.tiers[n].index.consulted["capacity"] for n in NAMES}
+
+    @property
+    def ttl_used(self) -> dict[str, bool]:
+        return {n: n in self.tiers and self.tiers[n].index.consulted["ttl"] for n in NAMES}
+
+    @property
+    def free_slots(self) -> int:
+        return sum(t.free_slots for t in self.tiers.values() if t.addressable)
 
     @classmethod
     def from_config(cls, cfg, block_bytes: int, **kw) -> "Simulator":
@@ -133,9 +134,8 @@ class Simulator(SimTiers):
                 block_tokens: int, replay: bool = False) -> tuple[int, int, str | None]:
         """Look up, load the matched prefix, store the prompt's blocks. Returns (dram hits, nvme
         hits, miss reason) in blocks."""
-        now = t
-        D, N = self.D, self.N
-        self._advance(now)
+        self.now = t
+        self._advance(t)
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         nk = len(keys)
@@ -143,37 +143,16 @@ class Simulator(SimTiers):
         self.lookup_blocks += nk
         if replay:
             self.replay_requests += 1
-        # contains_prefix (lookups do not change state; the load below reuses what they found)
-        # (TierIndex.lookup's test, inlined: READY and not past its deadline)
-        dents: list[Entry | None] = []
-        nents: list[Entry | None] = []
-        dget = D.entries.get if D is not None else _none
-        nget = N.entries.get if N is not None else _none
-        n_nvme = 0
-        for k in keys:
-            de = dget(k)
-            if de is not None:
-                if de.state == READY and de.expire_at > now:
-                    dents.append(de)
-                    nents.append(None)
-                    continue
-                self.ttl_used["dram"] = True  # indexed but past its TTL (WRITING is impossible here)
-            ne = nget(k)
-            if ne is None or ne.state != READY or ne.expire_at <= now:
-                if ne is not None:
-                    self.ttl_used["nvme"] = True
-                break
-            dents.append(None)
-            nents.append(ne)
-            n_nvme += 1
-        n = len(dents)
-        n_dram = n - n_nvme
+        where = self.chain.locate(keys)  # contains_prefix
+        n = len(where)
+        n_dram = sum(1 for w in where if w.name == "dram")
+        n_nvme = n - n_dram
         reason = None
         if nk == 0:
             reason = "below_min"
             self.miss_tokens[reason] += prompt_tokens
         elif n < nk:
-            reason = self._miss_reason(keys[n], n, now)
+            reason = self.chain.miss_reason(keys[n], n)
             self.miss_tokens[reason] += (nk - n) * block_tokens
         if n:
             self.hit_tokens["dram"] += n_dram * block_tokens
@@ -182,11 +161,14 @@ class Simulator(SimTiers):
                 self.replay_hit_tokens += n * block_tokens
             else:
                 self.genuine_hit_tokens += n * block_tokens
-            self._load(keys, dents, nents, n_nvme, session, now)
-        self._put(keys, now)
+            self._load(keys[:n], session)
+        self._put(keys)
         if self.record_samples:
-            self.samples["dram"].append(D.used if D is not None else 0)
-            self.samples["nvme"].append(N.used if N is not None else 0)
+            for t in self.tiers.values():
+                self.samples[t.name].append(t.used_bytes)
+            for n in NAMES:
+                if n not in self.tiers:
+                    self.samples[n].append(0)
         return n_dram, n_nvme, reason
 
     def _advance(self, now: float) -> None:
@@ -195,100 +177,89 @@ class Simulator(SimTiers):
             return
         dt = now - self.t_last
         if dt > 0:
-            if self.D is not None:
-                self.byte_seconds["dram"] += self.D.used * dt
-            if self.N is not None:
-                self.byte_seconds["nvme"] += self.N.used * dt
+            for t in self.tiers.values():
+                self.byte_seconds[t.name] += t.used_bytes * dt
             self.t_last = now
 
-    def _load(self, keys, dents, nents, n_nvme: int, session, now: float) -> None:
-        """KVStore.begin_load (pin_load + read_load) + end_load for the matched prefix."""
-        D, N = self.D, self.N
-        for e in dents:
-            if e is not None:
-                e.pins += 1
-        for e in nents:
-            if e is not None:
-                e.pins += 1
-        if D is not None:
-            for e in reversed(dents):  # head of the chain ends most recent
-                if e is not None:
-                    D.touch(e, now, session)
-        if N is not None and n_nvme:
-            for e in reversed(nents):
-                if e is not None:
-                    N.touch(e, now, session)
-        if not n_nvme:
-            for e in dents:
-                e.pins -= 1
-            return
-        # promote: NVMe blocks are copied into fresh DRAM slots (while the DRAM hits stay pinned)
-        nv = [e for e in nents if e is not None]
-        up = D is not None and placement.promote(True)
-        dres = self._reserve(D, [e.key for e in nv], self.slot_bytes, now) if up else [None] * len(nv)
-        for e in nv:
-            N.unpin(e)
-        if D is not None:
-            for de in dres:
-                if de is not None:
-                    de.asks = self.adm.after  # a copy from NVMe was admitted already (KVStore._reserve_dram)
-                    D.commit(de, now)
-                    self.promotions += 1
-            for e in dents:
-                if e is not None:
-                    D.unpin(e)
-        self._complete(now)
+    def _load(self, keys: Sequence[Hashable], session) -> None:
+        """KVStore.get of the found prefix: pin, read the lower tier's blocks (promoted into DRAM
+        where a slot is free), release."""
+        chain, top = self.chain, self.chain.top
+        where, entries = chain.pin(keys, session)
+        held = [e for w, e in zip(where, entries) if w is top and top.addressable]
+        for t in chain.tiers:
+            if t is top and t.addressable:
+                continue
+            src = [e for w, e in zip(where, entries) if w is t]
+            if src:
+                plan = Plan()
+                up = chain.promotion([e.key for e in src], plan)
+                self._run(plan)
+                chain.promoted(t, src, up, [True] * len(src))
+                got = [de for de in up if de is not None]
+                self.promotions += len(got)
+                held += got
+        if top is not None and held:
+            chain.release(top, held)
+        self._finish()
 
-    def _put(self, keys: Sequence[Hashable], now: float) -> None:
+    def _put(self, keys: Sequence[Hashable]) -> None:
         """KVStore.put of the prompt's full blocks (present keys skipped)."""
-        D, N = self.D, self.N
-        if D is None:
-            if N is not None:
-                self._put_nvme(keys, now)
+        chain, top = self.chain, self.chain.top
+        if top is None:
             return
-        # begin_store: keys NVMe holds are not stored in DRAM again
-        if N is not None:
-            nget = N.entries.get
-            want = []
-            for k in keys:  # placement.admit(not N.present_or_writing(k))
-                e = nget(k)
-                if e is None:
-                    want.append(k)
-                elif e.state == READY and e.expire_at <= now:
-                    self.ttl_used["nvme"] = True
-                    want.append(k)
-            got = {}
-            if want:
-                for k, e in zip(want, self._reserve(D, want, self.slot_bytes, now)):
-                    if e is not None:
-                        got[k] = e
-            entries = [got.pop(k, None) for k in keys]
-        else:
-            entries = self._reserve(D, keys, self.slot_bytes, now)
-        adm = self.adm
-        if adm.active:  # KVStore._reserve_dram(stored=True): the asks remembered for it
-            for e in entries:
-                if e is not None:
-                    e.asks = adm.recall(e.key)
-        # end_store: commit, last block first
-        stored = []
-        for e in reversed(entries):
-            if e is not None:
-                D.commit(e, now)
-                stored.append(e.key)
-        self._forget_gone(stored)
-        if stored and self.write_through and N is not None:
-            stored.reverse()  # the keys' order
-            if adm.active:  # blocks short of their asks: written at eviction if they get them
-                stored = [e.key for e in entries if e is not None and adm.admits(e.asks)]
-            if stored:
-                self._write_through(stored, now)
-        if N is not None:
-            # no DRAM slot: straight to NVMe (written by put itself)
-            rest = [k for k, e in zip(keys, entries) if e is None and not self._holds(D, k, now)]
-            if rest:
-                self._put_nvme(rest, now)
-        self._complete(now)
+        plan = Plan()
+        entries = chain.store_entries(keys, plan)
+        self._run(plan)
+        self._stored(top, entries)
+        below, rest = chain.overflow(keys, entries)
+        if rest:  # no free DRAM slot: straight to NVMe (written by put itself)
+            entries = chain.reserve(below, [keys[j] for j in rest], plan)
+            self._run(plan)
+            self._stored(below, entries)
+        self._finish()
+
+    def _stored(self, t, entries) -> None:
+        """KVStore.end_store: a tier without slots is written now (its blocks count as NVMe writes)."""
+        oks = [e is not None for e in entries]
+        if not t.addressable:
+            self.nvme_writes += sum(oks)
+        plan = Plan()
+        self.chain.committed(t, entries, oks, plan)
+        self._run(plan)
+
+    # -- the moves, without bytes ------------------------------------------------------------------
+    def _run(self, plan: Plan) -> None:
+        for event, tier, n in plan.counts:
+            if event == "evicted":
+                self.evicted[tier] += n
+            elif event == "expired":
+                self.expired[tier] += n
+            elif event == "no_slot":
+                self.skipped += n
+            elif event == "not_admitted":
+                self.not_admitted += n
+        plan.counts = []
+        for m in plan.moves:
+            if m.kind == FREE:
+                m.src.free(m.pairs)
+            else:
+                self._deferred.append(m)
+        plan.moves = []
+
+    def _finish(self) -> None:
+        """The end of a store call: background moves complete, in the order they started."""
+        chain = self.chain
+        while self._deferred:
+            m = self._deferred.pop(0)
+            if m.kind == DEMOTE:
+                chain.demoted(m, [True] * len(m.pairs))
+                self.demotions += len(m.pairs)
+                self.nvme_writes += len(m.pairs)
+            elif m.kind == COPY:  # a copy whose DRAM block left meanwhile is dropped
+                oks = [se is not None and de is not None for se, de in m.pairs]
+                chain.copied(m, oks)
+                self.nvme_writes += sum(oks)
 
     # -- results -----------------------------------------------------------------------------------
     def result(self) -> dict:

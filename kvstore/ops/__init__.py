@@ -1,0 +1,1 @@
+"""Operator commands: the CLI, ``stats``, ``inspect``, ``explain``."""

@@ -1,0 +1,197 @@
+"""What this machine can give a config: memory for the DRAM pool, a free metrics port, a usable
+NVMe folder. Each check returns a :class:`~kvstore.config.ConfigError` naming the key (or None).
+
+Checked where the machine is the one that will run the store: at store start-up, before the
+pool is made (:meth:`kvstore.store.KVStore.__init__` calls :func:`check_dram`; the metrics
+port is refused by the real bind, :class:`kvstore.store.metrics.StoreMetrics`; the NVMe folder by
+:func:`kvstore.tiers.nvme.folder.check_folder`), and by ``kvstore config FILE``
+(:func:`machine_errors`, all at once). Never in :func:`kvstore.config.from_dict`: the tuner
+builds and checks configs for other machines.
+
+The DRAM pool is pre-faulted (and, with CUDA, pinned): it cannot be swapped or reclaimed, so a
+pool bigger than the memory left brings the OOM killer, not a smaller cache (issue 29: 100000
+GiB on a 21 GiB machine grew ~0.25 GiB/s until it came). The memory left is the lower of
+``MemAvailable`` and the room under this process's memory cgroup limit (a container's limit,
+which ``/proc/meminfo`` does not show), less what this process's own pools still prepare in
+the background. The pool may take all of it but a headroom, max(1 GiB, 5 % of the machine's
+memory), for the engine, the system and the page cache; a pool within it is never refused
+later: the check is made once, at start-up.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+from kvstore.config import GiB, ConfigError, StoreConfig
+from kvstore.tiers.dram.pool import unprepared_bytes
+
+MEMINFO = "/proc/meminfo"
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (2**63 - 4096 here)
+
+
+def headroom_bytes(total: int) -> int:
+    """Memory a DRAM pool leaves to everything else: max(1 GiB, 5 % of ``total``)."""
+    return max(GiB, total // 20)
+
+
+def meminfo(path: str = MEMINFO) -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``{"MemTotal": ..., "MemAvailable": ...}``); {} where unreadable."""
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[name] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _read_int(p: Path, stat_key: str | None = None) -> int | None:
+    try:
+        text = p.read_text()
+    except OSError:
+        return None
+    if stat_key is not None:
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == stat_key and v.strip().isdigit():
+                return int(v)
+        return 0
+    text = text.strip()
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_room(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> int | None:
+    """Bytes this process's memory cgroup still gives before its limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``): the least over it and its ancestors of limit - usage + inactive
+    file pages (page cache the kernel drops first). None where no level has a limit."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, ctrls, rel = line.split(":", 2)
+        if ctrls == "":  # v2 unified hierarchy
+            base, files = Path(root), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrls.split(","):
+            base, files = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                  "total_inactive_file")
+        else:
+            continue
+        d = base / rel.strip().lstrip("/")
+        if not d.is_dir():  # a cgroup namespace shows "/" for the container's own: the mount's root
+            d = base
+        while True:
+            limit = _read_int(d / files[0])
+            usage = _read_int(d / files[1])
+            if limit is not None and limit < NO_LIMIT and usage is not None:
+                room = max(0, limit - usage + (_read_int(d / "memory.stat", files[2]) or 0))
+                best = room if best is None else min(best, room)
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return best
+
+
+def available_memory() -> tuple[int, int, str] | None:
+    """(bytes a new DRAM pool may still take before the headroom, the machine's total, what limits
+    it, in words), or None where this machine does not say (no MemAvailable)."""
+    info = meminfo()
+    if "MemAvailable" not in info:
+        return None
+    free, what = info["MemAvailable"], f"{info['MemAvailable'] / GiB:.1f} GiB MemAvailable"
+    room = cgroup_room()
+    if room is not None and room < free:
+        free, what = room, f"{room / GiB:.1f} GiB below this process's memory cgroup limit"
+    pending = unprepared_bytes()
+    if pending:
+        free, what = free - pending, f"{what}, less {pending / GiB:.1f} GiB still being prepared for DRAM pools " \
+                                     f"of this process"
+    return free, info.get("MemTotal", free), what
+
+
+def dram_error(cfg: StoreConfig) -> ConfigError | None:
+    """``tiers.dram.capacity_gb`` more than this machine's available memory less the headroom."""
+    d = cfg.tiers.dram
+    avail = available_memory()
+    if not d.enabled or avail is None:
+        return None
+    free, total, what = avail
+    head = headroom_bytes(total)
+    most = max(0, free - head)
+    if d.capacity_bytes <= most:
+        return None
+    gb = int(d.capacity_gb) if d.capacity_gb.is_integer() else d.capacity_gb
+    return ConfigError("tiers.dram.capacity_gb", gb, f"a number of GiB up to {most / GiB:.1f} (0: no DRAM tier)",
+                       f"more than this machine's available memory: {what}, less {head / GiB:.1f} GiB left to "
+                       f"the engine and the system; the pool is pre-faulted and never swapped")
+
+
+def check_dram(cfg: StoreConfig) -> None:
+    """Raise :func:`dram_error`'s error, if any (the store, before it makes the pool)."""
+    e = dram_error(cfg)
+    if e is not None:
+        raise e
+
+
+def port_refused(port: int, e: OSError) -> ConfigError:
+    """The error for a metrics port this process cannot listen on (``e``: the bind's)."""
+    why = {errno.EADDRINUSE: "in use: something else listens on it", errno.EACCES: "a port below 1024 needs privileges"}
+    return ConfigError("metrics.port", port, "a free port in [1, 65535] this process may listen on, or null",
+                       why.get(e.errno, e.strerror or str(e)))
+
+
+def port_error(port: int | None) -> ConfigError | None:
+    """``metrics.port`` that cannot be listened on now: a trial bind as the exporter binds
+    (0.0.0.0, SO_REUSEADDR), closed at once."""
+    if port is None:
+        return None
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+    except OSError as e:
+        return port_refused(port, e)
+    finally:
+        s.close()
+    return None
+
+
+def nvme_error(cfg: StoreConfig) -> ConfigError | None:
+    """``tiers.nvme.path`` the store would refuse; creates nothing (a missing folder: its nearest
+    existing parent must be a folder this process can write)."""
+    from kvstore.tiers.nvme.folder import check_folder
+
+    n = cfg.tiers.nvme
+    if not n.enabled or n.path is None:
+        return None
+    p = Path(n.path)
+    try:
+        if p.exists():
+            check_folder(p)  # exists: it creates nothing
+            return None
+        parent = next(a for a in p.parents if a.exists())
+    except ConfigError as e:
+        return e
+    except OSError as e:
+        return ConfigError("tiers.nvme.path", n.path, "a folder this process can create and write", str(e))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return ConfigError("tiers.nvme.path", n.path, "a folder this process can create and write",
+                           f"{parent} is not a folder this process can write in")
+    return None
+
+
+def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
+    """Every check above (for ``kvstore config``)."""
+    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port), nvme_error(cfg)) if e is not None]

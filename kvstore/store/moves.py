@@ -1,0 +1,211 @@
+"""Moves: the bytes the chain's decisions move between tiers, on the store's I/O pool. The only
+place in the store that reads or writes a medium.
+
+A :class:`kvstore.store.chain.Move` names a source tier (or the caller's staged buffers) and a
+destination tier; it is routed by the pair's media, as vLLM's offloading routes transfers by
+(source medium, destination medium): a tier whose blocks are files (``fan_out``) gets a job per
+block, spread over the pool (the disk wants depth); a batched medium (Redis pipelines) one call
+for the move; memory is copied in place. Background moves (demotions, write-through copies,
+files of victims) never run on the caller's thread; the caller's own writes and reads (a store
+into a tier without slots, a load's reads) run on the pool while the caller waits.
+
+Every result goes back to the chain (what to publish, unpin, free) and to the metrics sink.
+A failed or refused transfer is False, never an exception to the caller: it is counted, and
+the block is a later miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+import threading
+
+import numpy as np
+
+from kvstore import failpoints
+from kvstore.store.chain import COPY, DEMOTE, FREE, Move, Plan, TierChain
+from kvstore.store.metrics import StoreMetrics
+from kvstore.tiers.base import Tier
+from kvstore.tiers.index import Entry
+
+log = logging.getLogger(__name__)
+
+
+class Moves:
+    def __init__(self, chain: TierChain, sink: StoreMetrics, *, block_bytes: int, io_threads: int = 4,
+                 executor: Executor | None = None):
+        self.chain = chain
+        self.sink = sink
+        self.block_bytes = int(block_bytes)
+        # background writes (demotions, write-through) and batched reads; a replay may pass its own
+        self._io = executor or ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvstore-io")
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-prefetch")
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+
+    # -- the pool ----------------------------------------------------------------------------------
+    def submit(self, fn: Callable, *args) -> Future | None:
+        try:
+            f = self._io.submit(fn, *args)
+        except RuntimeError:  # the pool is shut down (close, interpreter exit): do it here
+            fn(*args)
+            return None
+        self.track(f)
+        return f
+
+    def background(self, fn: Callable) -> Future:
+        """A job of the single prefetch thread (loads the engine asked to start early)."""
+        f = self._bg.submit(fn)
+        self.track(f)
+        return f
+
+    def track(self, f: Future) -> None:
+        with self._lock:
+            self._pending.add(f)
+        f.add_done_callback(self._untrack)
+
+    def _untrack(self, f: Future) -> None:
+        with self._lock:
+            self._pending.discard(f)
+
+    def pending(self) -> list[Future]:
+        with self._lock:
+            return list(self._pending)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Wait for background work: demotions, write-through copies, file removals, prefetches."""
+        while todo := self.pending():
+            for f in todo:
+                f.result()
+
+    def _map(self, fns: list[Callable[[], object]]) -> list:
+        """Run on the pool while the caller waits (a single job runs here)."""
+        if not fns:
+            return []
+        if len(fns) == 1:
+            return [fns[0]()]
+        try:
+            return list(self._io.map(lambda f: f(), fns))
+        except RuntimeError:  # the pool is shut down (interpreter exit): do it here
+            return [f() for f in fns]
+
+    def shutdown(self) -> None:
+        self._bg.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+
+    # -- the chain's moves -------------------------------------------------------------------------
+    def run(self, plan: Plan) -> int:
+        """Count what the plan counted; start its moves (background ones on the pool). Returns
+        the blocks its foreground moves wrote."""
+        self.sink.plan(plan)
+        moves, plan.moves, plan.counts = plan.moves, [], []
+        n = 0
+        for m in moves:
+            if m.kind == FREE:
+                if m.background:
+                    self.submit(m.src.free, m.pairs)
+                else:
+                    m.src.free(m.pairs)
+            elif m.kind == DEMOTE:
+                n += self._demote(m)
+            elif m.kind == COPY:
+                self._copy(m)
+        return n
+
+    def _demote(self, m: Move) -> int:
+        """Victims written down from their slots: a job per block (the slot freed when it is done),
+        or, for a write-back of the caller's (``background`` False), all of them now."""
+        jobs = [lambda p=p: self._write_down(m, p) for p in m.pairs]
+        if not m.background:
+            return sum(self._map(jobs))
+        for job in jobs:
+            self.submit(job)
+        return 0
+
+    def _write_down(self, m: Move, pair: tuple[Entry, Entry]) -> bool:
+        e, ne = pair
+        ok = False
+        try:
+            failpoints.fire("demote.write", key=e.key)
+            ok = m.dst.write(ne, m.src.slot_view(e))
+        except Exception as ex:  # never lost silently: counted below as a failed write
+            log.warning("kvstore: writing %s down to %s failed: %s", e.key.hex(), m.dst.name, ex)
+        self.chain.demoted(Move(DEMOTE, m.src, m.dst, [pair], moving=m.moving), [ok])
+        if ok:
+            self.sink.moved(demoted=1)
+        self.sink.wrote(m.dst.name, int(ok), int(not ok))
+        return ok
+
+    def _copy(self, m: Move) -> None:
+        """Write-through: a job per block into files, one batch into a batched medium."""
+        if m.dst.fan_out:
+            for i in range(len(m.pairs)):
+                self.submit(self._copy_one, m, i)
+        elif m.pairs:
+            self.submit(self._copy_batch, m)
+
+    def _source(self, m: Move, i: int) -> np.ndarray | None:
+        """Block ``i`` of a copy: the caller's staged buffer, or the source slot (the whole padded,
+        page-aligned slot for a file: written in place with O_DIRECT)."""
+        if m.views is not None:
+            return m.views[i]
+        se = m.pairs[i][0]
+        if se is None:
+            return None
+        return m.src.slot_view(se) if m.dst.fan_out else m.src.view(se)
+
+    def _copy_one(self, m: Move, i: int) -> bool:
+        de = m.pairs[i][1]
+        ok = False
+        try:
+            src = self._source(m, i) if de is not None else None
+            ok = src is not None and m.dst.write(de, src)
+        except Exception as ex:  # counted below as a failed write
+            log.warning("kvstore: copying %s to %s failed: %s", de.key.hex(), m.dst.name, ex)
+        finally:
+            self.chain.copied(Move(COPY, m.src, m.dst, [m.pairs[i]]), [ok])
+        if de is not None:
+            self.sink.wrote(m.dst.name, int(ok), int(not ok))
+        return ok
+
+    def _copy_batch(self, m: Move) -> int:
+        t0 = time.perf_counter()
+        try:
+            srcs = [self._source(m, i) for i in range(len(m.pairs))]
+            oks = m.dst.write_many([de for _, de in m.pairs], srcs)
+        except Exception as ex:  # a medium's own failures are False; anything else is one too
+            log.warning("kvstore: copying %d blocks to %s failed: %s", len(m.pairs), m.dst.name, ex)
+            oks = [False] * len(m.pairs)
+        self.chain.copied(m, oks)
+        self.sink.wrote(m.dst.name, sum(oks), len(oks) - sum(oks), time.perf_counter() - t0)
+        self.sink.sync(m.dst)
+        return sum(oks)
+
+    # -- the caller's own writes and reads ---------------------------------------------------------
+    def store(self, t: Tier, entries: Sequence[Entry | None], views: Sequence, oks: list[bool]) -> list[bool]:
+        """Write the caller's staged blocks into ``t`` (a tier without slots), while it waits."""
+        idx = [i for i, (e, o) in enumerate(zip(entries, oks)) if e is not None and o]
+        if not idx:
+            return oks
+        if t.fan_out:
+            res = self._map([lambda i=i: t.write(entries[i], views[i]) for i in idx])
+        else:
+            res = t.write_many([entries[i] for i in idx], [views[i] for i in idx])
+        out = list(oks)
+        for i, r in zip(idx, res):
+            out[i] = bool(r)
+        fails = len(idx) - sum(map(bool, res))
+        self.sink.wrote(t.name, 0, fails)
+        self.sink.sync(t)
+        return out
+
+    def read(self, t: Tier, entries: Sequence[Entry], dsts: Sequence[np.ndarray]) -> list[bool]:
+        """Read pinned blocks of ``t`` into ``dsts`` while the caller waits."""
+        if t.fan_out:
+            return [bool(r) for r in self._map([lambda e=e, d=d: t.read(e, d) for e, d in zip(entries, dsts)])]
+        return [bool(r) for r in t.read_many(entries, dsts)]

@@ -1,0 +1,429 @@
+"""KVStore: the batched, thread-safe block store over a chain of tiers (DRAM, NVMe, Redis).
+
+Blocks are fixed-size byte buffers (``block_bytes`` of uint8, numpy or anything with the
+buffer protocol). Keys are 16-byte chain keys (:mod:`kvstore.keys`); because key *i* hashes
+the whole prefix, a store answers "how many *leading* keys do you hold".
+
+* ``contains_prefix(keys)`` -> PrefixMatch(num_blocks, tiers, miss_reason)
+* ``put(keys, blocks)``      -> number of blocks newly stored
+* ``get(keys, out)``         -> number of leading blocks copied into ``out``
+* ``prefetch(keys)``         -> Future: promotes the leading lower-tier blocks into the top tier
+* ``begin_store/end_store``, ``pin_load/read_load/end_load``: zero-copy two-phase moves for the
+  connector (the slots are pinned while in flight and cannot be evicted)
+
+Three collaborators, composed: the tiers (:func:`kvstore.tiers.open_tiers`, from the config),
+the :class:`~kvstore.store.chain.TierChain` over them (which decides: no bytes), the
+:class:`~kvstore.store.moves.Moves` (which move the bytes), and one metrics sink. This class
+holds the public API and the order of a call's steps; it never asks which tiers exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Executor, Future
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore import failpoints
+from kvstore.config import StoreConfig
+from kvstore.keys import ModelFingerprint, root_of
+from kvstore.store import placement
+from kvstore.store.chain import Plan, TierChain
+from kvstore.store.cost import Rates
+from kvstore.store.machine import check_dram
+from kvstore.store.handles import LoadHandle, PrefixMatch, StoreHandle, check_keys, check_ttl, rows_of
+from kvstore.store.metrics import StoreMetrics
+from kvstore.store.moves import Moves
+from kvstore.tiers import TierSet
+from kvstore.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVStore", "PrefixMatch", "StoreHandle", "LoadHandle"]
+
+
+class KVStore:
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        block_bytes: int,
+        fingerprint: ModelFingerprint | bytes,
+        block_tokens: int = 1,
+        clock: Callable[[], float] = time.time,
+        metrics: StoreMetrics | None = None,
+        ghost_capacity: int = 1 << 17,
+        kv_dtype: str | None = None,
+        group_elems: int | None = None,
+        io_executor: Executor | None = None,
+    ):
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        self.config = config or StoreConfig()
+        self.block_bytes = int(block_bytes)
+        self.block_tokens = int(block_tokens)
+        self.clock = clock
+        self.root = root_of(fingerprint)
+        self._closed = False
+        check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
+        self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
+        try:
+            self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
+                                     clock=clock, kv_dtype=kv_dtype, group_elems=group_elems)
+        except BaseException:
+            self.metrics.close()
+            raise
+        self.geometry = self._tiers.geometry
+        self.namespace, self.remote_namespace = self._tiers.namespace("nvme"), self._tiers.namespace("remote")
+        self.chain = TierChain(self._tiers.tiers, clock=clock, ghost_capacity=ghost_capacity)
+        self.moves = Moves(self.chain, self.metrics, block_bytes=self.block_bytes,
+                           io_threads=self.config.tiers.nvme.io_threads, executor=io_executor)
+        self.rates = Rates(use=self.config.io.load_only_if_faster)  # tier reads (measured here), the engine's prefill
+        self.metrics.attach(self, fingerprint)
+
+    # -- the tiers, by name (for operators and tests; the store itself loops over the chain) --------
+    def tier(self, name: str) -> Tier | None:
+        return next((t for t in self.chain.tiers if t.name == name), None)
+
+    dram = property(lambda self: self.tier("dram"))
+    nvme = property(lambda self: self.tier("nvme"))
+    remote = property(lambda self: self.tier("remote"))
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return self.chain.local
+
+    # -- lookups -------------------------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None,
+                        held: int = 0) -> PrefixMatch:
+        """How many leading ``keys`` are worth loading, and in which tier each one is: the stored
+        prefix, cut where loading is slower than recomputing (``held``: leading blocks the
+        engine holds itself, never read)."""
+        self._check_open()
+        keys = check_keys(keys)
+        tiers = [t.name for t in self.chain.locate(keys)]
+        for t in self.chain.shared:
+            self.metrics.sync(t)
+        n = placement.worth_loading(tiers, *self.rates.seconds_per_block(self.block_bytes, self.block_tokens), held)
+        reason = "slower_than_recompute" if n < len(tiers) else None
+        del tiers[n:]
+        if not keys:
+            reason = "below_min"
+        elif n < len(keys) and reason is None:
+            reason = self.chain.miss_reason(keys[n], n)
+        if record:
+            self.metrics.lookup(len(keys), tiers, reason, num_tokens, self.block_tokens)
+        return PrefixMatch(n, tuple(tiers), reason)
+
+    # -- stores --------------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], blocks, *, ttl_s: float | None = None) -> int:
+        """Store blocks under keys. Returns how many were newly stored (present keys are skipped).
+        Never waits for a demotion or a free slot; blocks that found no free slot are written to
+        the tier below by this call. ``ttl_s``: a retention hint (see :meth:`begin_store`)."""
+        self._check_open()
+        keys = check_keys(keys)
+        ttl_s = check_ttl(ttl_s)
+        rows = rows_of(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
+        if self.chain.top is None:
+            return 0
+        h = self._begin_store(keys, ttl_s, rows)
+        if h.tier is not None and h.tier.addressable:
+            try:
+                for v, r in zip(h.views, rows):
+                    if v is not None:
+                        np.copyto(v, r[: self.block_bytes], casting="no")
+            except BaseException:
+                self.end_store(h, False)
+                raise
+        n = self.end_store(h, True)
+        below, rest = self.chain.overflow(keys, h.entries)
+        if rest:  # no free slot (all held by demotions or pins): written below by this call, never a demotion
+            plan = Plan()
+            ks = [keys[j] for j in rest]
+            entries = self.chain.reserve(below, ks, plan, ttl_s)
+            self.moves.run(plan)
+            h2 = StoreHandle(ks, entries, [rows[j] if e is not None else None for j, e in zip(rest, entries)],
+                             below, ttl=ttl_s)
+            n += self.end_store(h2, True)
+        return n
+
+    def begin_store(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> StoreHandle:
+        """Reserve room for the keys not yet stored; returns writable views (None = skip: the key
+        is stored or being written, or no free slot). Never waits on I/O. ``ttl_s``: the
+        request's retention hint, the idle TTL of these blocks in every tier (None: the config's)."""
+        self._check_open()
+        return self._begin_store(check_keys(keys), check_ttl(ttl_s), None)
+
+    def _begin_store(self, keys: list[bytes], ttl: float | None, rows: list | None) -> StoreHandle:
+        top = self.chain.top
+        if top is None:
+            return StoreHandle(keys, [None] * len(keys), [None] * len(keys), None, ttl=ttl)
+        plan = Plan()
+        entries = self.chain.store_entries(keys, plan, ttl)
+        self.moves.run(plan)
+        if top.addressable:
+            views = [top.view(e) if e is not None else None for e in entries]
+        elif rows is not None:  # put: the caller's rows are written as they are
+            views = [r if e is not None else None for e, r in zip(entries, rows)]
+        else:  # a tier without slots: staged in private buffers, written at end_store
+            views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
+        return StoreHandle(keys, entries, views, top, ttl=ttl)
+
+    def end_store(self, h: StoreHandle, ok: bool | Sequence[bool] = True) -> int:
+        """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored."""
+        if h.done:
+            raise RuntimeError("end_store called twice for one handle")
+        h.done = True
+        oks = [ok] * len(h.keys) if isinstance(ok, (bool, np.bool_)) else list(ok)
+        if len(oks) != len(h.keys):
+            if h.tier is not None:
+                h.tier.abort(h.entries)
+            raise ValueError(f"end_store: {len(oks)} results for {len(h.keys)} keys (nothing was stored)")
+        oks = [bool(o) and e is not None for o, e in zip(oks, h.entries)]
+        tier = h.tier
+        if tier is None:
+            return 0
+        if not tier.addressable:  # staged: written into the tier now
+            oks = self.moves.store(tier, h.entries, h.views, oks)
+        plan = Plan()
+        self.chain.committed(tier, h.entries, oks, plan, None if tier.addressable else h.views, h.ttl)
+        n = sum(oks)
+        self.metrics.wrote(tier.name, n, 0, time.perf_counter() - h.started)
+        self.moves.run(plan)  # write-through copies, in the background
+        self._update_gauges()
+        return n
+
+    # -- loads -----------------------------------------------------------------------------------
+    def get(self, keys: Sequence[bytes], out, *, session: str | None = None) -> int:
+        """Copy the leading stored blocks into ``out`` (rows). Returns how many were copied."""
+        self._check_open()
+        keys = check_keys(keys)
+        rows = rows_of(out, len(keys), self.block_bytes, writable=True, name="out")
+        h = self.begin_load(keys, outs=rows, session=session)
+        try:
+            for i in range(h.num_blocks):
+                if h.views[i] is not rows[i]:
+                    np.copyto(rows[i][: self.block_bytes], h.views[i][: self.block_bytes], casting="no")
+        finally:
+            self.end_load(h)
+        return h.num_blocks
+
+    def begin_load(self, keys: Sequence[bytes], *, outs: list[np.ndarray] | None = None,
+                   session: str | None = None) -> LoadHandle:
+        """Pin the leading stored blocks and read the lower-tier ones (:meth:`pin_load` then
+        :meth:`read_load`). ``views[i]`` holds block i; call ``end_load`` to unpin."""
+        self._check_open()
+        h = self._pin(check_keys(keys), session)
+        try:
+            self._read(h, outs)
+        except BaseException:
+            self.end_load(h)
+            raise
+        return h
+
+    def pin_load(self, keys: Sequence[bytes], *, session: str | None = None, ttl_s: float | None = None) -> LoadHandle:
+        """Phase 1 of a load, without I/O of bytes (the scheduler side): pin the leading stored
+        blocks in whichever tier holds them. Top-tier blocks get their views now; the others are
+        read later by :meth:`read_load` (the worker side), where a failed read is the worker's to
+        report. ``ttl_s``: the request's retention hint; the blocks it hits keep at least that
+        idle TTL."""
+        self._check_open()
+        return self._pin(check_keys(keys), session, ttl=check_ttl(ttl_s))
+
+    def read_load(self, h: LoadHandle, outs: list[np.ndarray] | None = None) -> int:
+        """Read a pinned load's lower-tier blocks (into fresh top-tier slots when there is room,
+        else into ``outs[i]`` or a private buffer). A failed or corrupt read ends the prefix there:
+        returns the number of leading blocks now readable through ``views``."""
+        if h.done:
+            raise RuntimeError("read_load after end_load")
+        self._read(h, outs)
+        return h.num_blocks
+
+    def _pin(self, keys: list[bytes], session: str | None, failpoint: bool = True, ttl: float | None = None) -> LoadHandle:
+        if failpoint:
+            failpoints.fire("store.pin", store=self, keys=keys)
+            self._check_open()  # the failpoint may have closed it
+        where, entries = self.chain.pin(keys, session, ttl)
+        for t in self.chain.shared:
+            self.metrics.sync(t)
+        n = len(where)
+        h = LoadHandle(keys, n, [None] * n, [None] * n, [t.name for t in where])
+        for i, (t, e) in enumerate(zip(where, entries)):
+            if t is self.chain.top and t.addressable:
+                h.views[i], h.entries[i] = t.view(e), e
+            else:
+                h.unread[i] = (t, e)
+        return h
+
+    def _read(self, h: LoadHandle, outs: list[np.ndarray] | None) -> None:
+        if h.read:
+            return
+        h.read = True
+        if not h.unread:
+            self.metrics.read(self.chain.top.name if self.chain.top else "", h.num_blocks)
+            return
+        for t in self.chain.tiers:  # tier by tier, top down; past a failed read nothing is needed
+            idx = sorted(i for i, (ti, _) in h.unread.items() if ti is t and i < h.num_blocks)
+            if idx:
+                self._read_from(t, h, idx, outs)
+
+    def _read_from(self, t: Tier, h: LoadHandle, idx: list[int], outs: list[np.ndarray] | None) -> None:
+        """Read blocks ``idx`` of a load out of tier ``t``: into fresh top-tier slots (a promotion)
+        where there is room, else into ``outs[i]`` or a private buffer."""
+        t0 = time.perf_counter()
+        src = [h.unread.pop(i)[1] for i in idx]
+        keys = [h.keys[i] for i in idx]
+        plan = Plan()
+        try:
+            failpoints.fire("store.read", store=self, keys=keys)
+            up = self.chain.promotion(keys, plan)
+        except BaseException:
+            t.release(src)
+            self._cut(h, idx[0])
+            raise
+        self.moves.run(plan)
+        top = self.chain.top
+        dsts = [top.slot_view(de) if de is not None else outs[i] if outs is not None and i < len(outs)
+                else np.empty(self.block_bytes, np.uint8) for i, de in zip(idx, up)]
+        try:
+            oks = self.moves.read(t, src, dsts)
+        except BaseException:
+            top.abort(up)
+            t.release(src)
+            self._cut(h, idx[0])
+            raise
+        self.chain.promoted(t, src, up, oks)
+        for i, dst, de, ok in zip(idx, dsts, up, oks):
+            h.views[i] = dst[: self.block_bytes] if ok else None
+            h.entries[i] = de if ok else None
+        n_ok, promoted = sum(oks), sum(1 for de, ok in zip(up, oks) if de is not None and ok)
+        bad = next((j for j, ok in enumerate(oks) if not ok), None)
+        if bad is not None:  # gone, corrupt, or the medium failed: a miss from there on
+            self.metrics.failed_read(t.name)
+            self._cut(h, idx[bad])
+        self.metrics.moved(promoted=promoted)
+        self.metrics.wrote(top.name, promoted)
+        dt = time.perf_counter() - t0
+        self.metrics.read(t.name, n_ok, dt)
+        self.rates.observe_read(t.name, len(idx) * self.block_bytes, dt)  # failed reads cost time too
+        self.metrics.sync(t)
+
+    def _cut(self, h: LoadHandle, cut: int) -> None:
+        """End a load's prefix at block ``cut`` (a read failed there): unpin what lies beyond."""
+        top = self.chain.top
+        if top is not None:
+            self.chain.release(top, [e for e in h.entries[cut:] if e is not None])
+        for i in [i for i in h.unread if i >= cut]:
+            t, e = h.unread.pop(i)
+            t.release([e])
+        h.views, h.entries, h.tier_of, h.num_blocks = h.views[:cut], h.entries[:cut], h.tier_of[:cut], cut
+
+    def end_load(self, h: LoadHandle) -> None:
+        if h.done:
+            raise RuntimeError("end_load called twice for one handle")
+        h.done = True
+        top = self.chain.top
+        if top is not None:
+            self.chain.release(top, [e for e in h.entries if e is not None])
+        for t, e in h.unread.values():  # pinned, never read (the load was dropped)
+            t.release([e])
+        h.unread.clear()
+        self._update_gauges()
+
+    def prefetch(self, keys: Sequence[bytes]) -> Future:
+        """Start promoting the leading lower-tier blocks of ``keys`` into the top tier; resolves
+        to the count."""
+        self._check_open()
+        keys = check_keys(keys)
+        top = self.chain.top
+        if top is None or not top.addressable or len(self.chain.tiers) < 2:  # nowhere to promote into or from
+            f: Future = Future()
+            f.set_result(0)
+            return f
+
+        def job() -> int:
+            h = self._pin(keys, None, failpoint=False)
+            try:
+                self._read(h, None)
+                return sum(1 for t in h.tier_of if t != top.name)
+            finally:
+                self.end_load(h)
+
+        return self.moves.background(job)
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def sweep(self) -> int:
+        """Expire what is due in every tier (bounded work): victims written down in the
+        background where the rules say so, files removed here."""
+        plan = Plan()
+        n = self.chain.expire(plan)
+        self.moves.run(plan)
+        self._update_gauges()
+        return n
+
+    def persist(self) -> int:
+        """Write blocks only the top tier holds down to the next (write-back), oldest first, in
+        batches of 64. Returns how many."""
+        pinned, todo = self.chain.persist()
+        try:
+            n = 0
+            for i in range(0, len(todo), 64):
+                plan = Plan()
+                self.chain.write_down(todo[i:i + 64], plan)
+                n += self.moves.run(plan)
+            self.moves.flush()  # victims' files
+            return n
+        finally:
+            if pinned:
+                self.chain.top.release(pinned)
+
+    def flush(self) -> None:
+        """Wait for background work: demotions, write-through copies, file removals, prefetches."""
+        self.moves.flush()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for every tier to have its configured capacity (the DRAM pool is prepared in the
+        background after its first chunk); for benchmarks and replays."""
+        return all(t.wait_ready(timeout) for t in self.chain.tiers)
+
+    def stats(self) -> dict:
+        """Counts per tier plus every metric sample."""
+        self._update_gauges()
+        return {
+            "tiers": {t.name: {"blocks": len(t), "bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
+                               **t.stats} for t in self.chain.local},
+            "metrics": self.metrics.snapshot(),
+        }
+
+    def _update_gauges(self) -> None:
+        self.metrics.gauges(self.chain.local)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVStore is closed")
+
+    def close(self, persist: bool = True) -> None:
+        """Finish background work, write top-tier-only blocks down (``persist``), free everything."""
+        if self._closed:
+            return
+        self._closed = True  # new calls are refused; queued prefetches still run (internally)
+        try:
+            for f in self.moves.pending():  # demotions, write-through copies, removals
+                try:
+                    f.result()
+                except Exception as e:  # a failed background job must not stop the close
+                    log.warning("kvstore: a background job failed: %s", e)
+            if persist:
+                self.persist()
+        finally:
+            self.moves.shutdown()
+            self._tiers.close()
+            self.metrics.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,123 @@
+"""The tiers a config asks for, opened top first: DRAM, NVMe, then the shared Redis tier.
+
+The one place that knows every medium: a new tier is a module of :mod:`kvstore.tiers` and a
+few lines here (and its section of :mod:`kvstore.config`); the store and the chain only loop
+over what this returns.
+
+Each tier's namespace is the model fingerprint's root plus the tier's codec (and, for a codec,
+the element dtype and scale group), so a folder or a Redis namespace never mixes blocks of
+different bytes; NVMe's and Redis's are the same when their codecs are.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+import xxhash
+
+from kvstore.codecs import DTYPES, Geometry, make_codec, normalize_dtype
+from kvstore.codecs.registry import CODEC_IDS
+from kvstore.config import ConfigError, StoreConfig
+from kvstore.keys import ModelFingerprint, root_of
+from kvstore.tiers.base import Tier
+
+ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
+
+
+class TierSet:
+    """The opened tiers (``tiers``, top first), the codec geometry and the namespaces; closes
+    what it opened if a later tier fails to open."""
+
+    def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint | bytes,
+                 clock: Callable[[], float] = time.time, kv_dtype: str | None = None, group_elems: int | None = None):
+        self.tiers: list[Tier] = []
+        self._namespaces: dict[str, bytes] = {}
+        self._tmpdir: str | None = None
+        self.block_bytes = int(block_bytes)
+        self.geometry = _geometry(block_bytes, fingerprint, kv_dtype, group_elems)
+        self._root = root_of(fingerprint)
+        t = config.tiers
+        if t.dram.enabled and t.dram.codec != "none":
+            raise ConfigError("tiers.dram.codec", t.dram.codec,
+                              "none (DRAM codecs are not implemented yet; set int8/fp8/zstd on tiers.nvme.codec)")
+        self._namespace("nvme", t.nvme.codec)
+        try:
+            if t.dram.enabled:
+                self._open_dram(t.dram, has_lower=t.nvme.enabled, clock=clock)
+            if t.nvme.enabled:
+                self._open_nvme(t.nvme, clock=clock)
+            if t.remote.enabled:
+                self._open_redis(t.remote)
+        except BaseException:
+            self.close()
+            raise
+
+    def namespace(self, name: str) -> bytes | None:
+        return self._namespaces.get(name)
+
+    def _namespace(self, name: str, codec: str) -> bytes:
+        tag = b"" if codec == "none" else f",dtype={self.geometry.dtype},group={self.geometry.group_elems}".encode()
+        ns = self._namespaces[name] = xxhash.xxh3_128_digest(self._root + f"codec={codec}".encode() + tag)
+        return ns
+
+    def _codec(self, cfg):
+        return make_codec(cfg.codec, self.geometry, cfg.zstd_level) if cfg.codec != "none" else None
+
+    def _open_dram(self, cfg, *, has_lower: bool, clock) -> None:
+        from kvstore.tiers.dram import DramTier
+
+        tier = DramTier(capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s, policy=cfg.policy,
+                        block_bytes=self.block_bytes, clock=clock, pin=cfg.pin_memory,
+                        headroom=cfg.headroom_blocks if has_lower else 0)
+        if tier.pool.n_slots == 0:  # a pool without a slot is no tier
+            tier.close()
+            return
+        tier.index.ttl_shared = cfg.ttl_shared_s
+        self.tiers.append(tier)
+
+    def _open_nvme(self, cfg, *, clock) -> None:
+        from kvstore.tiers.nvme import NvmeTier
+
+        path = cfg.path
+        if path is None:
+            path = self._tmpdir = tempfile.mkdtemp(prefix="kvstore-")
+        tier = NvmeTier(path=path, namespace=self._namespaces["nvme"], capacity_bytes=cfg.capacity_bytes,
+                        ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=self.block_bytes,
+                        codec_id=CODEC_IDS[cfg.codec], o_direct=cfg.o_direct, header=cfg.header, clock=clock,
+                        codec=self._codec(cfg))
+        tier.index.ttl_shared = cfg.ttl_shared_s
+        tier.write_through = cfg.write_mode == "write_through"
+        tier.admit_after = cfg.admit_after
+        self.tiers.append(tier)
+
+    def _open_redis(self, cfg) -> None:
+        from kvstore.tiers.redis import RedisTier
+
+        ns = self._namespace("remote", cfg.codec)
+        self.tiers.append(RedisTier.open(cfg, namespace=ns, block_bytes=self.block_bytes, codec=self._codec(cfg),
+                                         codec_id=CODEC_IDS[cfg.codec], environ=os.environ))
+
+    def close(self) -> None:
+        tiers, self.tiers = self.tiers, []
+        for t in tiers:
+            t.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def _geometry(block_bytes: int, fingerprint, kv_dtype: str | None, group_elems: int | None) -> Geometry:
+    """What the codecs need: the element dtype and the scale group (an automatic group divides the block)."""
+    fp = fingerprint if isinstance(fingerprint, ModelFingerprint) else None
+    dtype = normalize_dtype(kv_dtype if kv_dtype is not None else (fp.dtype if fp is not None else None))
+    if group_elems is None:
+        group_elems = fp.head_size if fp is not None and fp.head_size >= 8 else 128
+        n = block_bytes // DTYPES.get(dtype, 1)
+        if n % group_elems:
+            group_elems = math.gcd(n, group_elems) or 1
+    return Geometry(block_bytes, dtype, int(group_elems))
