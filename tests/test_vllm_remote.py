@@ -101,7 +101,7 @@ def test_server_killed_mid_run(tiny_model, tmp_path, redis_launcher, monkeypatch
         assert sh.store.metrics.value("kvstore_remote_up") == 0
         srv.restart()  # empty: what the engine stores from now on is shared again
         deadline = time.monotonic() + 60
-        while not sh.store.remote.available and time.monotonic() < deadline:
+        while not sh.store.remote.client.available and time.monotonic() < deadline:
             time.sleep(0.1)  # the tier's backoff (0.5 s doubling per failure)
         outs, cached = e.generate(p3)
         assert outs == ref[2] and cached == [0]
