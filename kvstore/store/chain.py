@@ -221,8 +221,9 @@ class TierChain:
                 seen.add(k)
             got = iter(top.begin_reserve([k for k, w in zip(keys, want) if w], ttl))
             return [next(got) if w else None for w in want]
-        lower = self.local[1:]
-        want = [k for k in keys if placement.admit(any(t.present_or_writing(k) for t in lower))]
+        want = keys
+        for t in self.local[1:]:  # one batch per tier below
+            want = [k for k, there in zip(want, t.holds(want)) if placement.admit(there)]
         # a repeated key is reserved once (its later copies get None): keep that entry, never
         # overwrite it with a later None (it would stay WRITING and pinned forever)
         got = {k: e for k, e in zip(want, self.reserve(top, want, plan, ttl)) if e is not None} if want else {}
@@ -377,25 +378,32 @@ class TierChain:
         n_keys = len(keys)
         entries: list[Entry | None] = [None] * n_keys
         where: list[Tier | None] = [None] * n_keys
-        miss = list(range(n_keys))
+        miss: Sequence[int] = range(n_keys)
+        used = []  # the tiers that pinned something, top first
         for t in self.local:
             if not miss:
                 break
-            for i, e in zip(miss, t.acquire([keys[i] for i in miss], touch=False)):
-                if e is not None:
-                    entries[i], where[i] = e, t
-            miss = [i for i in miss if entries[i] is None]
-            if miss and len(self.moving):  # still in the slot it is being written down from
-                for i, e in zip(miss, self.moving.pin(t, [keys[i] for i in miss])):
-                    if e is not None:
-                        entries[i], where[i] = e, t
-                miss = [i for i in miss if entries[i] is None]
-        n = next((i for i in range(n_keys) if entries[i] is None), n_keys)
-        for t in self.local:
-            self.release(t, [e for e, w in zip(entries[n:], where[n:]) if w is t])
-            t.touch([e if w is t else None for e, w in zip(entries[:n], where[:n])], session, ttl)
-        found: list[Tier] = list(where[:n])
-        out = list(entries[:n])
+            got = t.acquire(keys if len(miss) == n_keys else [keys[i] for i in miss], touch=False)
+            if len(self.moving):  # still in the slot it is being written down from
+                got = [e if e is not None else m for e, m in zip(got, self.moving.pin(t, [keys[i] for i in miss]))]
+            rest = []
+            for i, e in zip(miss, got):
+                if e is None:
+                    rest.append(i)
+                else:
+                    entries[i] = e
+                    where[i] = t
+            if len(rest) < len(miss):
+                used.append(t)
+            miss = rest
+        n = miss[0] if miss else n_keys
+        for t in used:
+            if n < n_keys:
+                self.release(t, [e for e, w in zip(entries[n:], where[n:]) if w is t])
+            t.touch(entries[:n] if len(used) == 1 else [e if w is t else None for e, w in zip(entries[:n], where[:n])],
+                    session, ttl)
+        found: list[Tier] = where[:n]
+        out = entries[:n]
         for t in self.shared:
             if len(found) < n_keys:
                 m = t.leading(keys[len(found):])

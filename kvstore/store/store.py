@@ -250,11 +250,15 @@ class KVStore:
             self.metrics.sync(t)
         n = len(where)
         h = LoadHandle(keys, n, [None] * n, [None] * n, [t.name for t in where])
+        top = self.chain.top
+        view = top.view if top is not None and top.addressable else None
+        views, pinned, unread = h.views, h.entries, h.unread
         for i, (t, e) in enumerate(zip(where, entries)):
-            if t is self.chain.top and t.addressable:
-                h.views[i], h.entries[i] = t.view(e), e
+            if t is top and view is not None:
+                views[i] = view(e)
+                pinned[i] = e
             else:
-                h.unread[i] = (t, e)
+                unread[i] = (t, e)
         return h
 
     def _read(self, h: LoadHandle, outs: list[np.ndarray] | None) -> None:

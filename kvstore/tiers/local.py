@@ -168,6 +168,11 @@ class LocalTier(Tier):
                     self.index.extend(e, ttl)
                 self.index.touch(e, now, session)
 
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        with self.lock:
+            now, lookup, writing = self.clock(), self.index.lookup, self.index.writing_entry
+            return [lookup(k, now) is not None or writing(k) is not None for k in keys]
+
     def present_or_writing(self, key: bytes) -> bool:
         """READY and unexpired, or being written (WRITING)."""
         with self.lock:
