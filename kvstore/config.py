@@ -22,7 +22,9 @@ configs for other machines.
 
 Precedence, lowest first: built-in defaults < YAML file < ``KVSTORE__A__B=value`` environment
 variables < inline overrides (a nested dict, e.g. vLLM's ``kv_connector_extra_config``).
-``KVSTORE_CONFIG`` names the file when no path is given.
+``KVSTORE_CONFIG`` names the file when no path is given. A file is a path, or the name of a config
+shipped in the package (``agent``, ``default``: :func:`shipped_configs`), so ``{"config": "agent"}``
+works from any folder.
 """
 
 from __future__ import annotations
@@ -280,20 +282,48 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
 
 
 MAX_FILE_BYTES = 1 << 20  # a config is a few KiB; this refuses /dev/zero, a log or a model file
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # package data (pyproject)
+
+
+def shipped_configs() -> list[str]:
+    """The names of the store configs shipped in the package (``kvstore/configs/NAME.yaml``; the
+    ``bench_*`` files there are the benchmarks' own parameters, not store configs)."""
+    try:
+        return sorted(n[:-5] for n in os.listdir(SHIPPED_DIR) if n.endswith(".yaml") and not n.startswith("bench_"))
+    except OSError:
+        return []
+
+
+def config_file(path: str | os.PathLike) -> str | os.PathLike:
+    """``path`` itself, or for a bare name (no folder, no ``.yaml``/``.yml``: ``agent``) the shipped
+    config of that name; an unknown name is refused, naming the shipped ones."""
+    if isinstance(path, str) and path and os.sep not in path and not path.endswith((".yaml", ".yml")) \
+            and "\0" not in path:
+        names = shipped_configs()
+        if path in names:
+            return os.path.join(SHIPPED_DIR, f"{path}.yaml")
+        if not os.path.exists(path):
+            raise ConfigError("config", path, f"a shipped config name ({', '.join(names) or 'none installed'}) "
+                              "or the path of a YAML file")
+    return path
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    """A config file's mapping. Refused naming ``config``: a path that is not a string, holds a NUL
-    byte or is not a readable regular file; more than 1 MiB; not UTF-8 text; not a YAML mapping."""
+    """A config file's mapping (``path``: a file, or a shipped config's name: :func:`config_file`).
+    Refused naming ``config``: a path that is not a string, holds a NUL byte or is not a readable
+    regular file; more than 1 MiB; not UTF-8 text; not a YAML mapping."""
     if not isinstance(path, (str, os.PathLike)) or "\0" in os.fspath(path):
         raise ConfigError("config", path, "the path of a YAML file (a string without NUL bytes)")
+    given, path = path, config_file(path)
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:  # a FIFO: no wait
             if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
                 raise ConfigError("config", str(path), "a regular YAML file (this is a folder or a device)")
             raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        raise ConfigError("config", str(path), f"a readable YAML file ({e.strerror or e})") from None
+        where = "" if os.path.isabs(path) else f", relative to {os.getcwd()}"  # a relative path names the cwd
+        raise ConfigError("config", str(given), f"a readable YAML file, or a shipped config name "
+                          f"({', '.join(shipped_configs())})", f"{e.strerror or e}{where}") from None
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError("config", str(path), f"a YAML file of at most {MAX_FILE_BYTES >> 20} MiB")
     try:
