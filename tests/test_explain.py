@@ -171,8 +171,9 @@ def test_cli_json_text_and_plot(tmp_path, capsys):
     assert main(["explain", "--trace", str(p)]) == 0
     text = capsys.readouterr().out
     assert "| history_rewritten | 1 | 50.0% |" in text and "token 14" in text and "evicted 1" in text
-    assert main(["explain", "--trace", str(tmp_path / "missing.jsonl")]) == 1
-    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(["explain", "--trace", str(tmp_path / "missing.jsonl")]) == 2  # bad input: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("kvstore explain: error: ") and "missing.jsonl" in err and err.count("\n") == 1
 
 
 # -- through a real vLLM engine ----------------------------------------------------------------

@@ -121,35 +121,36 @@ def test_cluster_seeds(redis_cluster, monkeypatch, capsys):
     assert info["servers"] == 3 and info["values_read"] == 7 and info["limit_reached"]  # a dead seed is skipped
 
 
+def _fails(capsys, argv: list[str], code: int) -> str:
+    """``kvstore ARGV`` fails with one line on stderr, ``kvstore inspect: error: ...``, and ``code``."""
+    assert main(argv) == code
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert cap.out == "" and len(lines) == 1 and lines[0].startswith("kvstore inspect: error: "), cap.err
+    return lines[0]
+
+
 def test_credentials_refused_and_never_printed(redis_single, monkeypatch, capsys):
     pw = redis_single.password
     for url in (f"redis://:{pw}@127.0.0.1:{redis_single.port}", f"redis://admin:{pw}@127.0.0.1:{redis_single.port}"):
-        with pytest.raises(SystemExit) as e:
-            main(["inspect", url, "--json"])
-        msg = str(e.value.code)
+        msg = _fails(capsys, ["inspect", url, "--json"], 2)  # bad input
         assert "KVSTORE_REDIS_PASSWORD" in msg and "credentials" in msg and pw not in msg
-        cap = capsys.readouterr()
-        assert pw not in cap.out + cap.err
 
     monkeypatch.delenv("KVSTORE_REDIS_PASSWORD", raising=False)
-    with pytest.raises(SystemExit) as e:  # no password: says which variable to set
-        main(["inspect", redis_single.url])
-    assert "requires a password" in str(e.value.code) and "KVSTORE_REDIS_PASSWORD" in str(e.value.code)
+    msg = _fails(capsys, ["inspect", redis_single.url], 1)  # no password: says which variable to set
+    assert "requires a password" in msg and "KVSTORE_REDIS_PASSWORD" in msg
     monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", pw + "-wrong")
-    with pytest.raises(SystemExit) as e:
-        main(["inspect", redis_single.url])
-    assert "refused" in str(e.value.code) and pw not in str(e.value.code)
+    msg = _fails(capsys, ["inspect", redis_single.url], 1)
+    assert "refused" in msg and pw not in msg
 
     monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", pw)
-    with pytest.raises(SystemExit) as e:  # several urls without --cluster
-        main(["inspect", f"{redis_single.url},{redis_single.url}"])
-    assert "--cluster" in str(e.value.code)
-    with pytest.raises(SystemExit) as e:  # --cluster on a plain server: a clear failure, not a traceback
-        main(["inspect", redis_single.url, "--cluster"])
-    assert "Cluster mode is not enabled" in str(e.value.code) and pw not in str(e.value.code)
+    msg = _fails(capsys, ["inspect", f"{redis_single.url},{redis_single.url}"], 2)  # several urls without --cluster
+    assert "--cluster" in msg
+    msg = _fails(capsys, ["inspect", redis_single.url, "--cluster"], 1)  # a plain server: a clear failure
+    assert "Cluster mode is not enabled" in msg and pw not in msg
 
 
 def test_folder_options_rejected(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["inspect", str(tmp_path), "--cluster"])
-    assert "redis://" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path), "--cluster"]) == 2
+    err = capsys.readouterr().err
+    assert "redis://" in err and err.startswith("kvstore inspect: error: ") and err.count("\n") == 1

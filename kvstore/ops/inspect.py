@@ -33,6 +33,7 @@ from redis.cluster import ClusterNode
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
+from kvstore.ops.errors import FAILED, CommandError
 from kvstore.tiers import fileformat as ff
 from kvstore.codecs.registry import CODEC_NAMES
 from kvstore.tiers.nvme.folder import read_header
@@ -75,10 +76,14 @@ def inspect_folder(path: str, now: float | None = None) -> dict:
     out: dict = {"path": os.path.abspath(path), "namespaces": {}, "blocks": 0, "bytes": 0, "bad_files": 0,
                  "temp_files": 0}
     if not os.path.isdir(path):
-        raise SystemExit(f"kvstore inspect: not a folder: {path}")
-    for ns in sorted(os.scandir(path), key=lambda d: d.name):
-        if not ns.name.startswith("kvstore-") or not ns.is_dir(follow_symlinks=False):
-            continue
+        raise CommandError(f"{path}: {'not a folder' if os.path.exists(path) else 'no such folder'} (give the "
+                           "folder named in tiers.nvme.path, or a redis:// url)")
+    spaces = sorted((d for d in os.scandir(path) if d.name.startswith("kvstore-") and d.is_dir(follow_symlinks=False)),
+                    key=lambda d: d.name)
+    if not spaces:
+        raise CommandError(f"{path} is not a kvstore NVMe tier: it holds no kvstore-<namespace> folder (the store "
+                           "makes one under tiers.nvme.path when it starts)")
+    for ns in spaces:
         info = new_namespace(fingerprints={}, bad_files=0, temp_files=0)
         for root, dirs, files in os.walk(ns.path, followlinks=False):
             in_tmp = os.path.basename(root) == "tmp"
@@ -133,19 +138,19 @@ def _seed(url: str) -> tuple[str, int, int, bool, str]:
         u = urlsplit(url)
         port = u.port or 6379
     except ValueError:
-        raise SystemExit("kvstore inspect: a remote url must look like redis://host:port[/db] (or rediss://)") \
+        raise CommandError("a remote url must look like redis://host:port[/db] (or rediss://)") \
             from None
     if u.scheme not in ("redis", "rediss") or not u.hostname:
-        raise SystemExit(f"kvstore inspect: a remote url must look like redis://host:port[/db] (or rediss://), "
+        raise CommandError(f"a remote url must look like redis://host:port[/db] (or rediss://), "
                          f"got {u.scheme}://...")
     shown = f"{u.scheme}://{u.hostname}:{port}{u.path if u.path not in ('', '/') else ''}"
     if u.username or u.password:
-        raise SystemExit(f"kvstore inspect: the url {shown} carries credentials; refused: put them in "
+        raise CommandError(f"the url {shown} carries credentials; refused: put them in "
                          f"{ENV_PASSWORD} (and {ENV_USER} for an ACL user) instead")
     try:
         db = int(u.path.strip("/") or 0)
     except ValueError:
-        raise SystemExit(f"kvstore inspect: {shown}: the path must be a database number") from None
+        raise CommandError(f"{shown}: the path must be a database number") from None
     return u.hostname, port, db, u.scheme == "rediss", shown
 
 
@@ -178,7 +183,7 @@ class _Clients:
     def __init__(self, seeds: list, cluster: bool, username: str | None, password: str | None, timeout_s: float):
         self.cluster = cluster
         if cluster and any(s[2] for s in seeds):
-            raise SystemExit("kvstore inspect: a cluster has only database 0; drop the /db from the url")
+            raise CommandError("a cluster has only database 0; drop the /db from the url")
         # a brief retry of a network blip; refused credentials are not retried (they fail the first PING)
         kw = dict(username=username, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                   retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), 2))
@@ -218,11 +223,11 @@ def inspect_remote(url: str | list[str], *, cluster: bool = False, limit: int | 
     per namespace, from value headers only. ``username`` / ``password`` default to the environment."""
     urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url) if u.strip()]
     if not urls:
-        raise SystemExit("kvstore inspect: no remote url given")
+        raise CommandError("no remote url given")
     if len(urls) > 1 and not cluster:
-        raise SystemExit("kvstore inspect: several urls are cluster seeds: add --cluster")
+        raise CommandError("several urls are cluster seeds: add --cluster")
     if limit is not None and limit < 1:
-        raise SystemExit(f"kvstore inspect: --limit must be at least 1, got {limit}")
+        raise CommandError(f"--limit must be at least 1, got {limit}")
     seeds = [_seed(u) for u in urls]
     if username is None:
         username = os.environ.get(ENV_USER) or None
@@ -231,16 +236,16 @@ def inspect_remote(url: str | list[str], *, cluster: bool = False, limit: int | 
     shown = ",".join(s[4] for s in seeds)
     now = time.time() if now is None else now
 
-    def fail(e: Exception) -> SystemExit:
+    def fail(e: Exception) -> CommandError:
         msg = str(e)
         if password:
             msg = msg.replace(password, "***")
         if isinstance(e, AuthenticationError) or "NOAUTH" in msg or "WRONGPASS" in msg or "invalid password" in msg:
             what = ("requires a password and none was given" if password is None
                     else "refused the username/password given")
-            return SystemExit(f"kvstore inspect: {shown} {what}; set {ENV_PASSWORD} (and {ENV_USER} for an ACL "
-                              f"user) in the environment")
-        return SystemExit(f"kvstore inspect: {shown} failed: {type(e).__name__}: {msg}")
+            return CommandError(f"{shown} {what}; set {ENV_PASSWORD} (and {ENV_USER} for an ACL user) in the "
+                                "environment", FAILED)
+        return CommandError(f"{shown} failed: {type(e).__name__}: {msg}", FAILED)
 
     out: dict = {"url": shown, "cluster": cluster, "servers": 0, "namespaces": {}, "blocks": 0, "bytes": 0,
                  "bad_values": 0, "other_keys": 0, "values_read": 0, "limit": limit, "limit_reached": False}
