@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from kvstore.ops.explain import APPEND, FIRST, HEAD, LOST, REWRITE, Explainer, classify, explain, explain_file
+from kvstore.ops.explain import APPEND, FIRST, HEAD, LOST, REWRITE, UNKNOWN, Explainer, classify, explain, explain_file
+from kvstore.ops.explain_report import render
 from kvstore.keys import chain_keys
 from kvstore.trace import TraceRecord, TraceWriter, parse_line, read_trace
 
@@ -92,9 +93,14 @@ def test_expired_or_evicted_it_would_have_hit():
     assert tn.cls == APPEND
     tn = classify(rec("s", 0, prev + toks(4, 12)), rec("s", 1, prev + toks(4, 12), hit=16))
     assert (tn.shared_blocks, tn.want_blocks, tn.cls) == (5, 4, APPEND)
-    # a trace without hit fields cannot tell: append_only, and the report says so
+    # a trace without hit fields cannot tell: append_unknown (never healthy, never 0 lost), and which fields lack
     r = explain([rec("s", 0, prev), rec("s", 1, cur)])
-    assert r["classes"][APPEND]["turns"] == 1 and r["hits_recorded"] is False
+    assert r["classes"][APPEND]["turns"] == 0 and r["classes"][UNKNOWN]["turns"] == 1 and r["hits_recorded"] is False
+    assert r["classes"][UNKNOWN]["lost_tokens"] is None and r["lost_tokens_unknown_turns"] == 1
+    assert r["fields_missing"] == {"local_tokens": 2, "hit_tokens": 2, "miss_reason": 2, "replay": 2, "tokens": 2}
+    text = render(r)
+    assert "| expired_evicted | unknown | unknown | unknown |" in text and "| append_only | unknown |" in text
+    assert "reusable tokens lost: unknown (1 append-only turns" in text and "hit_tokens (2 of 2" in text
 
 
 def test_same_tokens_other_extra_keys():

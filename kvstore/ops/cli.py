@@ -266,6 +266,11 @@ def run(cmd: str, argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"{prefix} interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvstore ... | head`: the reader left; no traceback (Python's documented way)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return FAILED
     except SystemExit as e:  # argparse (help: 0, a bad option: 2); an int passes through
         if isinstance(e.code, str):
             print(f"{prefix} {e.code.removeprefix(f'kvstore {cmd}: ')}", file=sys.stderr)

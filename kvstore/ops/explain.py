@@ -27,8 +27,11 @@ Classes (first match wins):
   store's miss reason says why (``expired`` by TTL, ``evicted`` for capacity, ``never_stored``:
   the previous turn's blocks were not stored yet or were skipped, ``corrupt``, ``store_error``).
   Fix: TTLs and capacities (``kvstore tune``).
-* ``append_only``: ``d >= shared`` and ``got >= want`` (or the trace has no hit fields: then
-  expired and evicted turns cannot be told from healthy ones, and the report says so).
+* ``append_only``: ``d >= shared`` and ``got >= want``: healthy.
+* ``append_unknown``: append-only, but the trace does not record what the turn got (no
+  ``hit_tokens``: a synthetic trace, ``bench agent``'s, or one from an older connector): healthy
+  or expired / evicted cannot be told. Never counted as either: its lost tokens are unknown,
+  and the report lists the fields the trace lacks.
 
 A turn's ``lost_tokens`` are the reusable tokens it did not get: ``(want - d) * block_tokens`` for
 a divergence, ``(want - got) * block_tokens`` for expired / evicted. Where the divergence is:
@@ -49,7 +52,9 @@ from kvstore.trace import TraceRecord, read_trace
 
 FIRST, APPEND, HEAD, REWRITE, LOST = "first_turn", "append_only", "head_changed", "history_rewritten", \
     "expired_evicted"
-CLASSES = (FIRST, APPEND, HEAD, REWRITE, LOST)
+UNKNOWN = "append_unknown"
+CLASSES = (FIRST, APPEND, HEAD, REWRITE, LOST, UNKNOWN)
+RECORDED = ("local_tokens", "hit_tokens", "miss_reason", "replay", "tokens")  # what a connector's trace adds
 PROBLEMS = (HEAD, REWRITE, LOST)
 HEAD_BLOCKS = 2  # a divergence in block 0 or 1 is a changed head
 CONTEXT = 6  # tokens shown either side of the first differing token
@@ -116,7 +121,9 @@ def classify(prev: TraceRecord | None, cur: TraceRecord, turn: int = 1) -> Turn:
         tn.diverged_block, tn.diverged_tokens = d, (d * bt, (d + 1) * bt)
         tn.lost_tokens = max(0, want - d) * bt
         _locate(tn, prev, cur, d, bt)
-    elif tn.got_blocks is not None and tn.got_blocks < want:
+    elif tn.got_blocks is None:
+        tn.cls = UNKNOWN  # append-only; what it got is not in the trace
+    elif tn.got_blocks < want:
         tn.cls, tn.reason = LOST, cur.miss_reason or "unknown"
         tn.lost_tokens = (want - tn.got_blocks) * bt
     else:
@@ -162,9 +169,12 @@ class Explainer:
         self.divergence_blocks: Counter = Counter()
         self.block_tokens: set[int] = set()
         self.requests = self.with_hits = self.with_tokens = self.replays = self.with_replay = 0
+        self.missing: Counter = Counter()  # optional field -> requests without it
 
     def add(self, rec: TraceRecord) -> Turn:
         self.requests += 1
+        for k in RECORDED:
+            self.missing[k] += getattr(rec, k) is None
         self.block_tokens.add(rec.block_tokens)
         self.with_tokens += rec.tokens is not None
         if rec.replay is not None:
@@ -198,7 +208,7 @@ class Explainer:
         follow = self.requests - self.counts[FIRST]
         classes = {c: {"turns": self.counts[c], "share_of_requests": _frac(self.counts[c], self.requests),
                        "share_of_followups": None if c == FIRST else _frac(self.counts[c], follow),
-                       "lost_tokens": self.lost[c]} for c in CLASSES}
+                       "lost_tokens": None if c == UNKNOWN else self.lost[c]} for c in CLASSES}
         top = sorted(self._sessions.items(), key=lambda kv: (-kv[1].lost, kv[0]))[:max(0, max_sessions)]
         bt = sorted(self.block_tokens)
         return {
@@ -209,6 +219,10 @@ class Explainer:
             "block_tokens": bt[0] if len(bt) == 1 else bt,
             "hits_recorded": self.with_hits == follow,
             "followups_with_hits": self.with_hits,
+            # optional fields the trace lacks, with the requests lacking each (tokens: opt-in, trace_tokens)
+            "fields_missing": {k: self.missing[k] for k in RECORDED if self.missing[k]},
+            # what the turns without hit fields lost to expiry or eviction: unknown, never 0
+            "lost_tokens_unknown_turns": self.counts[UNKNOWN],
             "tokens_recorded": self.requests > 0 and self.with_tokens == self.requests,
             "replay_requests": self.replays if self.with_replay else None,
             "classes": classes,
