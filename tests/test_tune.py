@@ -98,7 +98,8 @@ def _tune(tmp_path, trace_recs, *args):
     tp = tmp_path / "t.jsonl"
     write_records(tp, trace_recs)
     out, js = tmp_path / "rec.yaml", tmp_path / "res.json"
-    rc = tune_main(["--trace", str(tp), "--out", str(out), "--json", str(js), "--jobs", "2", "--quiet", *args])
+    rc = tune_main(["--trace", str(tp), "--out", str(out), "--json", str(js), "--jobs", "2", "--quiet",
+                    "--allow-temp-nvme", *args])
     assert rc == 0
     return out, json.loads(js.read_text())
 
@@ -312,7 +313,8 @@ def test_a_trace_recorded_by_vllm_can_be_tuned(tmp_path):
     assert len(recs) == 3
     js = tmp_path / "res.json"
     rc = tune_main(["--trace", str(trace), "--block-bytes", str(block_bytes), "--dram-gb", "0.05", "--nvme-gb", "1",
-                    "--out", str(tmp_path / "rec.yaml"), "--json", str(js), "--quiet", "--jobs", "1"])
+                    "--out", str(tmp_path / "rec.yaml"), "--json", str(js), "--quiet", "--jobs", "1",
+                    "--nvme-path", str(tmp_path / "nvme")])
     assert rc == 0
     res = json.loads(js.read_text())
     rec = res["recommended"]

@@ -1,8 +1,16 @@
 """``kvstore tune``: replay a request trace over a grid of TTLs, capacities and NVMe admission
 (``tiers.nvme.admit_after``), recommend a config.
 
-    kvstore tune --trace T.jsonl [--dram-gb X] [--nvme-gb Y] [--block-bytes B]
-                 [--out CFG.yaml] [--json RES.json] [--plots DIR]
+    kvstore tune --trace T.jsonl [--dram-gb X] [--nvme-gb Y] [--model-shape L,H,D,DTYPE | --block-bytes B]
+                 [--out CFG.yaml (--nvme-path DIR | --allow-temp-nvme)] [--json RES.json] [--plots DIR]
+
+Its defaults come from the trace: a trace whose lines carry ``recorded`` (the config and KV block
+of the store that recorded it: ``bench agent --trace-out`` writes it) gives the budget, the base
+config and the block size. Without it, the budget is kvstore's defaults and the block a 7B-class
+model's (128 KiB a token): both printed as assumptions; give ``--model-shape``. The report prints
+every capacity and TTL it replayed (each slice where an axis was varied), the plots draw them.
+A tuned YAML needs somewhere to put NVMe blocks: ``--out`` asks for ``--nvme-path`` (or a base or
+recorded config with one), or ``--allow-temp-nvme`` for a private temporary folder.
 
 Every setting is a replay of the trace through the store's own tier accounting
 (kvstore.tiers.index.TierIndex + the policy registry, with the store's demotion and promotion rules)
@@ -18,7 +26,7 @@ import argparse
 import sys
 import time
 
-from kvstore.config import ConfigError, StoreConfig, from_dict, read_yaml
+from kvstore.config import ConfigError, from_dict, read_yaml
 from kvstore.trace import TraceError
 from kvstore.tune import grid as G
 from kvstore.tune import report as R
@@ -66,13 +74,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "when trace_path is set)")
     p.add_argument("--dram-gb", type=_gb, default=None, help="DRAM budget, GiB (default: the base config's capacity)")
     p.add_argument("--nvme-gb", type=_gb, default=None, help="NVMe budget, GiB (default: the base config's capacity)")
-    p.add_argument("--block-bytes", type=int, default=None,
-                   help=f"bytes of one KV block (default: block_tokens x {BYTES_PER_TOKEN // 1024} KiB)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--model-shape", default=None, metavar="L,H,D,DTYPE",
+                       help="the model's KV shape: layers,kv_heads,head_dim,dtype (e.g. 32,8,128,bfloat16); a "
+                       "block is 2 x L x H x D x dtype bytes x the trace's block_tokens")
+    shape.add_argument("--block-bytes", type=int, default=None,
+                       help="bytes of one KV block (default: what the trace recorded, else --model-shape, else "
+                       f"assumed: block_tokens x {BYTES_PER_TOKEN // 1024} KiB, a 7B-class model)")
     p.add_argument("--out", help="write the recommended config (YAML, the schema of configs/)")
+    p.add_argument("--nvme-path", default=None, metavar="DIR", help="tiers.nvme.path of the YAML written "
+                   "(default: the base's or the recorded one)")
+    p.add_argument("--allow-temp-nvme", action="store_true", help="write the YAML without an NVMe path "
+                   "(a private temporary folder: its blocks are gone at every restart)")
     p.add_argument("--json", help="write every grid point and the recommendation (JSON)")
     p.add_argument("--plots", help="folder for PNGs: hit rate and bytes held against TTL per tier")
-    p.add_argument("--base", help="config whose other keys (path, codec, ...) the output keeps; also the "
-                   "default budget and policies")
+    p.add_argument("--base", help="config (a path or a shipped name) whose other keys (path, codec, ...) the "
+                   "output keeps; also the default budget and policies (default: the trace's recorded config)")
     g = p.add_argument_group("grid")
     g.add_argument("--dram-ttls", type=_list(R.parse_ttl), default=None,
                    help="DRAM TTLs (s, or with m/h/d; none = no expiry); default 30,60,2m,5m,10m,30m,1h,none")
@@ -111,8 +128,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvstore tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kvstore.ops.errors import Parser
+
+    p = Parser(prog="kvstore tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     a = p.parse_args(argv)
     try:
@@ -122,16 +140,48 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _sources(a, trace) -> tuple[dict, str, int, str]:
+    """(base config data, where the budget comes from, block bytes, where they come from)."""
+    rec = trace.recorded or {}
+    by = rec.get("by", "its writer")
+    if a.base:
+        base, budget = read_yaml(a.base), f"--base {a.base}"
+    elif rec.get("tiers"):
+        base, budget = {"tiers": rec["tiers"]}, f"the config that recorded the trace ({by})"
+    else:
+        base, budget = {}, "kvstore's defaults: the trace does not record its config (--dram-gb/--nvme-gb or --base)"
+    if a.dram_gb is not None or a.nvme_gb is not None:
+        budget = "--dram-gb/--nvme-gb" if a.dram_gb is not None and a.nvme_gb is not None else \
+            f"{'--dram-gb' if a.dram_gb is not None else '--nvme-gb'}, the other from {budget}"
+    bt = max(trace.block_tokens)
+    if a.block_bytes is not None:
+        bb, how = a.block_bytes, "--block-bytes"
+    elif a.model_shape:
+        from kvstore.ops.sizing import ModelShape
+
+        shape = ModelShape.parse(a.model_shape)
+        bb, how = shape.block_bytes(bt), f"--model-shape: {shape.describe()}, x {bt} tokens"
+    elif rec.get("block_bytes"):
+        bb, how = int(rec["block_bytes"]), f"recorded in the trace by {by}"
+    else:
+        bb = bt * BYTES_PER_TOKEN
+        how = (f"assumed: {bt} tokens x {BYTES_PER_TOKEN >> 10} KiB, a 7B-class model (32 layers x 8 KV heads x 128 "
+               "x 2 B); the trace does not record it: give --model-shape L,H,D,DTYPE")
+    return base, budget, bb, how
+
+
 def _run(a) -> int:
     t_start = time.perf_counter()
-    base = read_yaml(a.base) if a.base else {}
-    bcfg = from_dict(base) if a.base else StoreConfig()
     trace = load_trace(a.trace, limit=a.limit)
     if not len(trace):
         raise ValueError(f"{a.trace}: no requests")
     t_load = time.perf_counter() - t_start
-    bts = sorted(set(trace.block_tokens))
-    block_bytes = a.block_bytes or max(bts) * BYTES_PER_TOKEN
+    base, budget_src, block_bytes, bb_src = _sources(a, trace)
+    if a.nvme_path:
+        from kvstore.config import merge
+
+        base = merge(base, {"tiers": {"nvme": {"path": a.nvme_path}}})
+    bcfg = from_dict(base)
     if block_bytes <= 0:
         raise ValueError(f"--block-bytes must be positive, got {block_bytes}")
     d, n = bcfg.tiers.dram, bcfg.tiers.nvme
@@ -148,6 +198,12 @@ def _run(a) -> int:
             raise ValueError(f"unknown policy {pol!r}; known: {', '.join(sorted(POLICIES))}")
     dram_budget = a.dram_gb if a.dram_gb is not None else (max(a.dram_gbs) if a.dram_gbs else d.capacity_gb)
     nvme_budget = a.nvme_gb if a.nvme_gb is not None else (max(a.nvme_gbs) if a.nvme_gbs else n.capacity_gb)
+    if a.out and nvme_budget > 0 and n.path is None and not a.allow_temp_nvme:  # before the search, not after
+        raise ValueError(f"--out {a.out}: the tuned config would have no tiers.nvme.path (neither the trace nor a "
+                         "--base names one), so the store would keep NVMe blocks in a private temporary folder, "
+                         "gone at every restart; give --nvme-path DIR, or --allow-temp-nvme to write it anyway")
+    if bb_src.startswith("assumed"):
+        print(f"kvstore tune: warning: block size {bb_src}", file=sys.stderr)
     dram_gbs = sorted({x for x in a.dram_gbs if x <= dram_budget}) if a.dram_gbs else G.capacities(dram_budget, a.fractions)
     nvme_gbs = sorted({x for x in a.nvme_gbs if x <= nvme_budget}) if a.nvme_gbs else G.capacities(nvme_budget, a.fractions)
     if not dram_gbs or not nvme_gbs:
@@ -179,6 +235,7 @@ def _run(a) -> int:
         "trace": trace.summary(),
         "block_bytes": block_bytes,
         "budget": {"dram_gb": dram_budget, "nvme_gb": nvme_budget},
+        "sources": {"budget": budget_src, "block_bytes": bb_src},
         "admit_after_tried": admits,
         "cost_model": {"gb_hour_price_dram": cost.gb_hour_dram, "gb_hour_price_nvme": cost.gb_hour_nvme,
                        "prefill_token_price": cost.prefill_token} if cost.active else None,

@@ -117,7 +117,11 @@ def markdown(res: dict, all_rows: bool = False) -> str:
                f"process(es), {tm['requests_per_s']:,.0f} requests/s per replay "
                f"({tr['blocks_per_request']:.0f} blocks a request).")
     b = res["budget"]
-    out.append(f"Budget: DRAM {b['dram_gb']:g} GB, NVMe {b['nvme_gb']:g} GB." + (
+    src = res.get("sources") or {}
+    if src.get("block_bytes"):
+        out.append(f"Block: {fmt_bytes(res['block_bytes'])} ({src['block_bytes']}).")
+    out.append(f"Budget: DRAM {b['dram_gb']:g} GB, NVMe {b['nvme_gb']:g} GB"
+               + (f" ({src['budget']})" if src.get("budget") else "") + "." + (
         f" Cost model: DRAM {res['cost_model']['gb_hour_price_dram']:g}/GB-h, NVMe "
         f"{res['cost_model']['gb_hour_price_nvme']:g}/GB-h, prefill {res['cost_model']['prefill_token_price']:g}/token."
         if res.get("cost_model") else ""))
@@ -140,7 +144,10 @@ def markdown(res: dict, all_rows: bool = False) -> str:
             else:
                 line += f"; its hit rate stops rising at TTL {fmt_ttl(a['ttl_saturates_at'])}"
         out.append(line)
-    out += ["", "## Settings" + ("" if all_rows else " (through the recommendation, one coordinate varied)"), ""]
+    from kvstore.tune.searched import describe
+
+    out += [""] + describe(res["grid"], rec, fmt_ttl, _written)
+    out += ["## Settings" + ("" if all_rows else " (through the recommendation, one coordinate varied)"), ""]
     rows = sorted(res["grid"], key=order) if all_rows else slices(res["grid"], rec)
     out.append(table(rows, rec if not res.get("confirmed") else
                      next((r for r in res["grid"] if setting(r) == setting(rec)), None)))
@@ -192,59 +199,88 @@ def write_json(path: str, res: dict) -> None:
 
 
 def plots(out_dir: str, grid: Sequence[dict], rec: dict) -> list[str]:
-    """Hit rate and bytes held against TTL, one PNG per tier, one line per capacity (the other tier
-    at the recommendation)."""
+    """One PNG per tier, over the slice where that tier's capacity x TTL was searched
+    (kvstore.tune.searched): this tier's hit rate, all tiers' hit rate and the bytes held against
+    its TTL, one colour per capacity (NVMe: one line style per admit_after tried). Y axes start at
+    0, but the all-tiers panel, whose axis is zoomed and says so; legends sit below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvstore.tune import searched as S
+
     os.makedirs(out_dir, exist_ok=True)
     s = setting(rec)
     files = []
-    for tier, (ci, ti) in (("dram", (0, 1)), ("nvme", (2, 3))):
-        sl = s if tier == "nvme" else s[:4] + (min(setting(r)[4] for r in grid),)  # (see recommend.analyse)
-        pts = [r for r in grid if all(setting(r)[j] == sl[j] for j in range(len(sl)) if j not in (ci, ti))]
-        ttls = sorted({setting(r)[ti] for r in pts}, key=ttl_key)
-        finite = [x for x in ttls if x is not None]
-        if not pts or not ttls or s[ci] <= 0:
+    for tier, (ci, ti) in S.AXES.items():
+        name = {"dram": "DRAM", "nvme": "NVMe"}[tier]
+        key, pts = S.slice_of(grid, rec, tier)
+        if not pts or all(setting(r)[ci] <= 0 for r in pts):
             continue
-        none_x = (max(finite) * 4 if finite else 1.0)
+        series = {s[4]: pts}
+        if tier == "nvme":
+            series.update({a: rows for a, rows in S.admission(grid, rec).items() if a != s[4]})
+        ttls = sorted({setting(r)[ti] for rows in series.values() for r in rows}, key=ttl_key)
+        finite = [x for x in ttls if x is not None]
+        none_x = max(finite) * 4 if finite else 1.0
 
         def xpos(ttl):
             return none_x if ttl is None else ttl
 
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        caps = sorted({setting(r)[ci] for r in pts})
-        for cap in caps:
-            rows = sorted((r for r in pts if setting(r)[ci] == cap), key=lambda r: ttl_key(setting(r)[ti]))
-            if cap <= 0:
-                continue
-            xs = [xpos(setting(r)[ti]) for r in rows]
-            line, = a1.plot(xs, [r["hit_rate_by_tier"][tier] * 100 for r in rows], "o-", label=f"{tier} hits, {cap:g} GB")
-            a1.plot(xs, [r["hit_rate"] * 100 for r in rows], "--", color=line.get_color(), alpha=0.6,
-                    label=f"all hits, {cap:g} GB")
-            a2.plot(xs, [r["bytes_held"][tier]["p50"] / (1 << 30) for r in rows], "o-", color=line.get_color(),
-                    label=f"p50, {cap:g} GB")
-            a2.plot(xs, [r["bytes_held"][tier]["p99"] / (1 << 30) for r in rows], "--", color=line.get_color(),
-                    label=f"p99, {cap:g} GB")
-            a2.plot(xs, [r["bytes_held"][tier]["max"] / (1 << 30) for r in rows], ":", color=line.get_color(),
-                    label=f"max, {cap:g} GB")
-        for ax in (a1, a2):
+        fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 5))
+        caps = sorted({setting(r)[ci] for r in pts if setting(r)[ci] > 0})
+        colors = {c: f"C{i}" for i, c in enumerate(caps)}
+        marks = {c: ("o", "s", "^", "D", "v")[i % 5] for i, c in enumerate(caps)}  # coinciding lines stay visible
+        size = {c: 8 - 5 * i / max(1, len(caps) - 1) for i, c in enumerate(caps)}
+        styles = ["-", "--", ":", "-."]
+        alls = []
+        for k, (adm, rows_a) in enumerate(series.items()):
+            ls = styles[k % len(styles)]
+            for cap in caps:
+                rows = sorted((r for r in rows_a if setting(r)[ci] == cap), key=lambda r: ttl_key(setting(r)[ti]))
+                if not rows:
+                    continue
+                xs = [xpos(setting(r)[ti]) for r in rows]
+                tag = f"{cap:g} GB" + (f", admit_after {adm}" if len(series) > 1 else "")
+                m = dict(marker=marks[cap], ms=size[cap], color=colors[cap])
+                a1.plot(xs, [r["hit_rate_by_tier"][tier] * 100 for r in rows], ls, label=tag, **m)
+                alls += [r["hit_rate"] * 100 for r in rows]
+                a2.plot(xs, [r["hit_rate"] * 100 for r in rows], ls, **m)
+                if k == 0:
+                    a3.plot(xs, [r["bytes_held"][tier]["p50"] / (1 << 30) for r in rows], "-", **m)
+                    a3.plot(xs, [r["bytes_held"][tier]["max"] / (1 << 30) for r in rows], ":", color=colors[cap])
+        in_slice = s[ti] in ttls  # this tier's recommended TTL
+        for ax in (a1, a2, a3):
             ax.set_xscale("log")
             ax.set_xticks([xpos(x) for x in ttls])
             ax.set_xticklabels([fmt_ttl(x) for x in ttls])
             ax.minorticks_off()
-            ax.set_xlabel(f"{tier.upper()} TTL (idle)")
+            ax.set_xlabel(f"{name} TTL (idle time before a block expires)")
             ax.grid(alpha=0.3)
-            ax.axvline(xpos(s[ti]), color="grey", lw=0.8, ls="-.")
-        a1.set_ylabel("token-weighted hit rate (%)")
-        a1.set_title(f"{tier.upper()}: hit rate vs TTL")
-        a2.set_ylabel("bytes held (GiB)")
-        a2.set_title(f"{tier.upper()}: bytes held vs TTL")
-        a1.legend(fontsize=7)
-        a2.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
+            if in_slice:
+                ax.axvline(xpos(s[ti]), color="grey", lw=0.8, ls="-.")
+        top = max(r["hit_rate_by_tier"][tier] * 100 for rows in series.values() for r in rows)
+        a1.set_ylim(0, max(1.0, top * 1.15))
+        a1.set_ylabel(f"{name} hit rate (% of prompt tokens)")
+        a1.set_title(f"served from {name}")
+        lo, hi = min(alls), max(alls)
+        bottom = max(0.0, lo - max(1.0, (hi - lo) * 0.5)) if hi - lo < 20 else 0.0
+        a2.set_ylim(bottom, min(100.0, hi + max(1.0, (hi - lo) * 0.3)))
+        a2.set_ylabel("hit rate, all tiers (%)" + (f"; y axis from {bottom:.0f}%, not 0" if bottom > 0 else ""))
+        a2.set_title("served from any tier" + (" (zoomed)" if bottom > 0 else ""))
+        a3.set_ylim(bottom=0)
+        a3.set_ylabel(f"{name} bytes held (GiB): p50 solid, max dotted")
+        a3.set_title(f"{name} bytes held" + (" (admit_after " + str(s[4]) + ")" if len(series) > 1 else ""))
+        other = (f"NVMe {key[0]:g} GB, TTL {fmt_ttl(key[1])}, admit_after {key[2]}" if tier == "dram"
+                 else f"DRAM {key[0]:g} GB, TTL {fmt_ttl(key[1])}")
+        n_ttl = len({setting(r)[ti] for r in pts})
+        fig.suptitle(f"kvstore tune, {name}: {len(caps)} capacities x {n_ttl} TTLs searched at {other}"
+                     + (f"; dash-dot: the recommended {name} TTL" if in_slice else ""))
+        fig.legend(*a1.get_legend_handles_labels(), loc="lower center", ncol=min(6, len(caps) * len(series)),
+                   fontsize=8, title="capacity" + (" and NVMe admission" if len(series) > 1 else ""),
+                   title_fontsize=8)
+        fig.tight_layout(rect=(0, 0.12 if len(series) > 1 else 0.09, 1, 1))
         f = os.path.join(out_dir, f"tune_{tier}.png")
         fig.savefig(f, dpi=110)
         plt.close(fig)

@@ -31,6 +31,7 @@ class Trace:
     replay: list[bool] = field(default_factory=list)
     n_keys: int = 0
     n_sessions: int = 0
+    recorded: dict | None = None  # what recorded the trace (RECORDED_KEY of its lines; the last one wins)
 
     def __len__(self) -> int:
         return len(self.t)
@@ -75,6 +76,7 @@ class Trace:
                 out.output_tokens.append(self.output_tokens[i])
                 out.replay.append(self.replay[i])
         out.n_keys, out.n_sessions = len(seen_keys), len(keep)
+        out.recorded = self.recorded
         return out
 
     def summary(self) -> dict:
@@ -98,9 +100,36 @@ def from_records(records: Iterable) -> Trace:
     return _build(rows)
 
 
+RECORDED_KEY = "recorded"  # an optional field of a line: the config and block that recorded the trace
+
+
+def recorded_fields(tiers: dict, block_bytes: int, block_tokens: int, by: str, **extra) -> dict:
+    """What a trace writer puts under ``"recorded"`` in its first line (extra fields are ignored by
+    every reader, so older ones read such a trace): the store's ``tiers.dram`` and ``tiers.nvme``
+    sections (capacities, TTLs, policies, the NVMe path) and the KV block it stored, which
+    ``kvstore tune`` takes as its default budget, base config and block size."""
+    return {"by": by, "tiers": {t: dict(tiers.get(t) or {}) for t in ("dram", "nvme")},
+            "block_bytes": int(block_bytes), "block_tokens": int(block_tokens), **extra}
+
+
+def _recorded(d: dict, path, i: int) -> dict:
+    from kvstore.config import ConfigError, from_dict
+
+    r = d[RECORDED_KEY]
+    try:
+        if not isinstance(r, dict) or int(r.get("block_bytes", 1)) <= 0:
+            raise ValueError("a mapping with block_bytes > 0")
+        from_dict({"tiers": r.get("tiers") or {}})
+    except (ConfigError, TypeError, ValueError) as e:
+        raise TraceError(f"{path}: line {i}: {RECORDED_KEY}: {e}") from None
+    return r
+
+
 def load_trace(path: str | os.PathLike, limit: int | None = None) -> Trace:
-    """Read a JSONL trace (see :mod:`kvstore.trace`); extra fields are ignored."""
+    """Read a JSONL trace (see :mod:`kvstore.trace`); extra fields are ignored but ``recorded``
+    (:func:`recorded_fields`), kept as ``Trace.recorded``."""
     rows = []
+    recorded = None
     loads = json.loads
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -118,10 +147,14 @@ def load_trace(path: str | os.PathLike, limit: int | None = None) -> Trace:
                                  f"t finite")
             if not _hex_keys(row[2]):
                 raise TraceError(f"{path}: line {i}: blocks must be 32-hex-digit block keys")
+            if RECORDED_KEY in d:
+                recorded = _recorded(d, path, i)
             rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break
-    return _build(rows)
+    tr = _build(rows)
+    tr.recorded = recorded
+    return tr
 
 
 def _hex_keys(blocks: list) -> bool:
