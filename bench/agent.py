@@ -42,13 +42,13 @@ from kvstore.bench import harness
 from kvstore.bench import workload as wl
 from kvstore.bench.agent_replay import VirtualClock, default_dir, payload, replay
 from kvstore.bench.agent_report import plot, render
-from kvstore.config import from_dict
+from kvstore.config import SHIPPED_DIR, from_dict
+from kvstore.tune.trace_memory import RECORDED_KEY, recorded_fields
 
 __all__ = ["BENCH_DEFAULTS", "VirtualClock", "add_args", "default_dir", "main", "payload", "plot", "render", "replay",
            "resolve", "run"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(REPO, "configs", "bench_agent.yaml")
+DEFAULT_CONFIG = os.path.join(SHIPPED_DIR, "bench_agent.yaml")  # shipped in the package (configs/ links to it)
 
 BENCH_DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -66,7 +66,8 @@ TOP_KEYS = set(BENCH_DEFAULTS)
 # -- config ------------------------------------------------------------------------------------
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help=f"bench YAML (default: {os.path.relpath(DEFAULT_CONFIG)} if present)")
+    p.add_argument("--config", default=None, help="bench YAML (default: the shipped bench_agent.yaml, "
+                   "configs/bench_agent.yaml in the repository)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any YAML key, dotted, value in YAML (e.g. workload.sessions=50, "
                         "store.tiers.dram.ttl_s=null); repeatable")
@@ -164,6 +165,21 @@ def _variant_requests(cfg: dict, variant: str) -> list[wl.Request]:
     return wl.generate(wl.merged(cfg["workload"], cfg["variants"][variant] or {}))
 
 
+def _stamp(path: str, recorded: dict) -> None:
+    """Add ``recorded`` (the store config and KV block the bench replays) to the trace's first line:
+    ``kvstore tune`` takes its budget and block size from it; every reader ignores it otherwise."""
+    import json
+
+    with open(path) as f:
+        lines = f.readlines()
+    if lines:
+        first = json.loads(lines[0])
+        first[RECORDED_KEY] = recorded
+        lines[0] = json.dumps(first, separators=(",", ":")) + "\n"
+        with open(path, "w") as f:
+            f.writelines(lines)
+
+
 def _trace_path(base: str, i: int, variant: str) -> str:
     if i == 0:
         return base
@@ -187,9 +203,12 @@ def run(a: argparse.Namespace) -> dict:
     kv_block_bytes = kv_per_token * bt
     traces = {}
     if a.trace_out and not a.trace:
+        recorded = recorded_fields(from_dict(cfg["store"]).to_dict()["tiers"], kv_block_bytes, bt,
+                                   "kvstore bench agent", kv_bytes_per_token=kv_per_token)
         for i, (v, reqs) in enumerate(inputs.items()):
             p = _trace_path(a.trace_out, i, v)
             wl.write_trace(reqs, p, bt)
+            _stamp(p, recorded)
             traces[v] = p
     first = next(iter(inputs))
     sweep_runs = []

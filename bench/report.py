@@ -45,8 +45,10 @@ class Figures:
         os.makedirs(folder, exist_ok=True)
         self.plt, self.folder, self.paths = plt, folder, []
 
-    def save(self, fig, name: str) -> str:
-        fig.tight_layout()
+    def save(self, fig, name: str, layout: bool = True) -> str:
+        """``layout=False``: the caller laid the figure out (e.g. room left for a legend below)."""
+        if layout:
+            fig.tight_layout()
         path = os.path.join(self.folder, name)
         fig.savefig(path, dpi=110)
         self.plt.close(fig)
