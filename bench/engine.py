@@ -47,7 +47,8 @@ class Engine:
         from vllm import LLM
 
         kw = dict(enforce_eager=True, block_size=block_size, max_model_len=max_len, dtype="float32", seed=0,
-                  enable_prefix_caching=prefix_caching, **llm_kw)
+                  enable_prefix_caching=prefix_caching)
+        kw.update(llm_kw)  # e.g. dtype="bfloat16" (a Qwen3-Next model on vLLM's CPU backend)
         if batched_tokens:
             kw["max_num_batched_tokens"] = batched_tokens
         if mp:

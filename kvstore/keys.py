@@ -157,3 +157,10 @@ def chain_keys(
         prev = _h(prev + size + raw[4 * i * block_size:4 * (i + 1) * block_size] + tail)
         out.append(prev)
     return out
+
+
+def derive_keys(keys: Sequence[bytes], tag: bytes) -> list[bytes]:
+    """``H(key || tag)`` for each key: another block per key (e.g. one per KV cache group of a
+    hybrid model, ``tag`` naming the group), as stable as the keys themselves."""
+    h = xxhash.xxh3_128_digest
+    return [h(k + tag) for k in keys]

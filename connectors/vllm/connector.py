@@ -5,6 +5,13 @@ Translation only: the scheduler half turns vLLM requests and scheduler outputs i
 tensors to :class:`kvstore.offload.Mover`. Loads are synchronous within the step (the
 blocks are already in pinned DRAM: NVMe blocks are prefetched before the request is
 scheduled), stores gather new full blocks after the forward pass.
+
+Every model vLLM serves keeps vLLM's hybrid KV cache manager (``SupportsHMA``): block ids come
+per KV cache group everywhere, and :func:`kv_groups` says what kvstore does with each group
+(:mod:`kvstore.offload.groups`). A group kind kvstore cannot serve, or MLA on vLLM's CPU backend
+(loads there gave wrong greedy output with byte-identical blocks; cause not found), is logged
+once and the connector stores nothing for that model (``off``): the engine runs as without it.
+With tensor parallelism the scheduler asks every rank's store (:mod:`kvstore.offload.ranks`).
 """
 
 from __future__ import annotations
@@ -17,17 +24,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstore import kvcopy
 from kvstore.config import load_config
-from kvstore.keys import ModelFingerprint
 from kvstore.ops.stats import render_engine
 from kvstore.trace import TraceWriter
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)
+from kvstore.connectors.vllm.model import kv_groups, model_fingerprint
+from kvstore.offload.groups import STATE, KVGroups
 from kvstore.offload.hooktime import IDLE_HOOK, HookClock, timed
 from kvstore.offload.prefillrate import PrefillRate
+from kvstore.offload.ranks import RankedClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,77 +62,32 @@ def _log_under_vllm() -> None:
         k.propagate = False
 
 
+_logged_off: set[str] = set()  # why a model is not served, logged once per process
+
+
+def _check_codecs(config, groups: KVGroups) -> None:
+    """A lossy codec cannot quantize a state page (kvstore.codecs: the codec's own refusal)."""
+    from kvstore.codecs.base import Geometry
+    from kvstore.codecs.registry import make_codec
+    from kvstore.configfields import ConfigError
+
+    if not groups.state:
+        return
+    for tier in ("dram", "nvme", "remote"):
+        cfg = getattr(config.tiers, tier, None)
+        name = getattr(cfg, "codec", "none")
+        if cfg is None or name == "none":
+            continue
+        try:
+            make_codec(name, Geometry(256, "bfloat16", 64, layout="state"))
+        except ValueError as e:
+            raise ConfigError(f"tiers.{tier}.codec", name, "none or zstd", f"this model keeps Mamba or "
+                              f"linear-attention state ({e})") from None
+
+
 class KVStoreMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan):
         self.plan = plan
-
-
-def _tp_rank(vllm_config: "VllmConfig", role: KVConnectorRole) -> tuple[int, int]:
-    """(rank, size). A worker must know its tensor-parallel rank (its keys carry it): failing to
-    get it is an error at start-up, never a silent rank 0 that would mix ranks' blocks. The
-    scheduler side asks rank 0's store, so its fingerprint says rank 0."""
-    size = vllm_config.parallel_config.tensor_parallel_size
-    if role != KVConnectorRole.WORKER:
-        return 0, size
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        rank = int(get_tensor_model_parallel_rank())
-    except Exception as e:
-        if size == 1:
-            return 0, 1  # no TP group is needed to know the only rank
-        raise RuntimeError(f"kvstore: cannot get this worker's tensor-parallel rank (size {size}): {e}") from e
-    if not 0 <= rank < size:
-        raise RuntimeError(f"kvstore: tensor-parallel rank {rank} is outside 0..{size - 1}")
-    return rank, size
-
-
-def block_packing(vllm_config: "VllmConfig", spec) -> tuple[str, str]:
-    """How the engine packs a block's bytes (the store keeps pages byte for byte), and its
-    variant: vLLM's CPU backend packs per ISA (K transposed etc.), every GPU backend uses the
-    standard order."""
-    try:
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
-    except Exception:  # pragma: no cover
-        on_cpu = True
-    if not on_cpu:
-        return "std", ""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
-                            vllm_config.cache_config.cache_dtype)
-    except Exception:  # a vLLM without that helper: still never mix with GPU blocks
-        isa = "unknown"
-    return "vllm_cpu", isa
-
-
-def model_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", codec: str,
-                      role: KVConnectorRole = KVConnectorRole.WORKER) -> tuple[ModelFingerprint, int, list[str]]:
-    """(fingerprint, bytes per block across layers, layer names in order)."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"KVStoreConnector supports one KV cache group, got {len(groups)} "
-                         "(hybrid models need --disable-hybrid-kv-cache-manager)")
-    spec = groups[0].kv_cache_spec
-    layers = list(groups[0].layer_names)
-    mc = vllm_config.model_config
-    rank, size = _tp_rank(vllm_config, role)
-    packing, variant = block_packing(vllm_config, spec)
-    fp = ModelFingerprint(
-        model=str(mc.model), revision=str(mc.revision or ""), dtype=str(spec.dtype),
-        layout=f"kvblock-v{kvcopy.STORE_FORMAT_VERSION}.{packing}" + (f"-{variant}" if variant else ""),
-        packing=packing,
-        block_size=int(spec.block_size),
-        num_layers=len(layers), num_kv_heads=int(spec.num_kv_heads), head_size=int(spec.head_size),
-        tp_rank=rank, tp_size=size, codec=codec,
-        extra=(("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),
-               ("head_size_v", int(getattr(spec, "head_size_v", spec.head_size))),
-               ("tokenizer", str(mc.tokenizer)), ("quantization", str(mc.quantization))),
-    )
-    return fp, int(spec.page_size_bytes) * len(layers), layers
 
 
 def _request_extra(request: "Request"):
@@ -142,7 +108,7 @@ def _request_mm(request: "Request") -> list[tuple[int, int, str]]:
     return out
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_under_vllm()
@@ -156,9 +122,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = load_config(overrides=extra)
         codec = f"dram={self.config.tiers.dram.codec},nvme={self.config.tiers.nvme.codec}"  # lossy never serves lossless
-        self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec, role)
-        self.block_size = self.fingerprint.block_size
-        engine = str(ktc.engine_id)
+        self.groups, self.off = kv_groups(vllm_config, kv_cache_config)
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self.prefill: PrefillRate | None = None  # the engine's prefill tokens/s (worker side)
@@ -166,19 +130,37 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.server: StoreServer | None = None
         self.client = None
         self.clock: HookClock | None = None  # the hooks' time on the engine's thread (kvstore.offload.hooktime)
+        self._closed = False
+        if self.off is not None:  # the engine runs as without a connector; nothing is stored
+            if self.off not in _logged_off:
+                log.warning("kvstore: %s; the connector stores nothing for this model", self.off)
+                _logged_off.add(self.off)
+            self.block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+            return
+        if len(self.groups) > 1 or not self.groups.plain:
+            _check_codecs(self.config, self.groups)
+        self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec, role,
+                                                                            self.groups)
+        self.block_size = self.fingerprint.block_size
+        engine = str(ktc.engine_id)
         if role == KVConnectorRole.WORKER:
             # the worker owns the store (bytes and index) and serves the scheduler's lookups
             name = f"{engine}/tp{self.fingerprint.tp_rank}"
             self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size)
             self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
-                               async_loads=self.config.io.async_loads)
+                               async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
             self.server = StoreServer(self.shared, name)
             self.clock = HookClock(self.shared.metrics.hooks, "worker")
         else:
-            # the scheduler asks rank 0's store: in this process if it is here, else over a socket
+            # the scheduler asks rank 0's store: in this process if it is here, else over a socket;
+            # with tensor parallelism every rank's, answered as one (kvstore.offload.ranks)
             name = f"{engine}/tp0"
             local = find(name)
-            self.client = LocalClient(local) if local is not None else RemoteClient(name)
+            size = self.fingerprint.tp_size
+            if size > 1:
+                self.client = RankedClient([RemoteClient(f"{engine}/tp{r}") for r in range(size)])
+            else:
+                self.client = LocalClient(local) if local is not None else RemoteClient(name)
             # in the store's process the counts go straight to its totals; else in each step's plan
             self.clock = HookClock(local.metrics.hooks if local is not None else None, "scheduler")
             trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
@@ -193,12 +175,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    # request; the engine core keeps stepping while a free is
                                    # delayed, and the worker reports it (get_finished)
                                    always_delay=self.fingerprint.tp_size > 1 or not isinstance(self.client,
-                                                                                                LocalClient))
-        self._closed = False
-        log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s", role.name,
+                                                                                                LocalClient),
+                                   groups=self.groups)
+        log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s%s", role.name,
                  self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,
                  self.config.tiers.nvme.path or "temp folder",
-                 "" if role == KVConnectorRole.WORKER else f", store {type(self.client).__name__}")
+                 "" if role == KVConnectorRole.WORKER else f", store {type(self.client).__name__}",
+                 "" if self.groups.plain else f", KV cache groups {self.groups.describe()}")
 
     @property
     def requires_kv_delivery(self) -> bool:  # a best-effort cache: a dropped save is a later miss
@@ -206,7 +189,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self.mover is not None
+        if self.mover is None:  # off: this model is not served
+            return
+        if not self.groups.plain:
+            return self._register_groups(kv_caches)
         tensors = [kv_caches[n] for n in self.layer_names if n in kv_caches]
         if len(tensors) != len(self.layer_names):
             tensors = list(kv_caches.values())
@@ -217,9 +203,39 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError(f"kvstore: the engine's KV blocks are packed {layout.packing!r} but the keys were "
                              f"made for {expected!r}; {layout.describe()}")
         self.mover.register(tensors, layout)
+        self._registered()
+        log.info("kvstore: KV layout %s", layout.describe())
+
+    def _registered(self) -> None:
         self.prefill = PrefillRate(self.mover.store.rates.observe_prefill, min_tokens=4 * self.block_size,
                                    device=self.mover.copier.device, device_index=self.mover.copier.device_index)
-        log.info("kvstore: KV layout %s", layout.describe())
+
+    def _register_groups(self, kv_caches: dict[str, Any]) -> None:
+        """A hybrid model: each group's layers (layers that alias one cache counted once), read
+        as vLLM packs them; a state group's page as raw bytes (one latent-like row per block)."""
+        per = []
+        for g, spec in zip(self.groups.groups, (x.kv_cache_spec for x in self._kv_cache_config.kv_cache_groups)):
+            names = self._kv_cache_config.kv_cache_groups[g.index].layer_names
+            tensors, seen = [], set()
+            for n in names:
+                t = kv_caches.get(n)
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    tensors.append(t)
+            if not tensors:
+                raise ValueError(f"kvstore: no KV cache registered for group {g.index} ({list(names)[:3]} ...)")
+            if g.role == STATE:
+                layout = kvcopy.KVLayout.from_tensor("mla", tensors)
+            else:
+                layout = kvcopy.KVLayout.from_vllm(tensors, mla="mla" in g.kind)
+                if layout.packing != self.fingerprint.packing:
+                    raise ValueError(f"kvstore: group {g.index}'s KV blocks are packed {layout.packing!r} but the "
+                                     f"keys were made for {self.fingerprint.packing!r}; {layout.describe()}")
+            per.append((tensors, layout))
+            log.info("kvstore: KV cache group %d (%s%s): %s", g.index, g.kind,
+                     f", window {g.window}" if g.window else "", layout.describe())
+        self.mover.register_groups(per)
+        self._registered()
 
     @timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -260,13 +276,21 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.mover.handle_preemptions(kv_connector_metadata.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Stores done, loads done, and (a hybrid model) loads that failed as a whole: vLLM
+        recomputes those requests (with more than one group it cannot take failed block ids)."""
         if self.mover is None:
-            return None, None
+            return KVConnectorTransferResults()
         meta = self._connector_metadata
         plan = meta.plan if isinstance(meta, KVStoreMetadata) else None
         t = time.perf_counter()
         try:
-            return self.mover.get_finished(finished_req_ids, plan)
+            sending, recving, failed = self.mover.get_transfer(finished_req_ids, plan)
+            return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                              finished_recving=set(recving or ()) | failed, failed_recving=failed)
         finally:  # a step with nothing scheduled waits here for loads: no request waits for that
             self.clock.add(IDLE_HOOK if plan is not None and plan.idle else "get_finished", time.perf_counter() - t)
 
@@ -277,7 +301,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- scheduler side
     @timed
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.planner is not None
+        if self.planner is None:  # off: this model is not served
+            return 0, False
         tokens = request.all_token_ids if request.prompt_token_ids is not None else None
         if getattr(request, "prompt_embeds", None) is not None:
             tokens = None  # embeddings, not token ids: nothing to key on
@@ -292,34 +317,56 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     @timed
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        assert self.planner is not None
-        st = self.planner.reqs.get(request.request_id)
+        st = self.planner.reqs.get(request.request_id) if self.planner is not None else None
         if st is None:
             return
-        ids = blocks.get_block_ids()[0] if st.load_async and num_external_tokens > 0 else None
+        ids = None
+        if st.load_async and num_external_tokens > 0:
+            ids = blocks.get_block_ids()
+            ids = tuple(list(t) for t in ids) if not self.groups.plain else ids[0]
         self.planner.allocated(st, num_external_tokens, ids)
 
     @timed
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        assert self.planner is not None
-        new = [(r.req_id, list(r.block_ids[0]) if r.block_ids else [], r.num_computed_tokens)
-               for r in scheduler_output.scheduled_new_reqs]
+        if self.planner is None:  # off: this model is not served
+            return KVStoreMetadata(StepPlan())
+        one = self.groups.plain
+
+        def ids(b):  # one group's list as before, else a tuple of every group's
+            return (list(b[0]) if b else []) if one else tuple(list(x) for x in b)
+
+        new = [(r.req_id, ids(r.block_ids), r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         c = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(c, "resumed_req_ids", ()) or ())
         cached = []
         for i, rid in enumerate(c.req_ids):
             nb = c.new_block_ids[i]
-            cached.append((rid, list(nb[0]) if nb else None, c.num_computed_tokens[i], rid in resumed))
-        plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens))
+            cached.append((rid, ids(nb) if nb else None, c.num_computed_tokens[i], rid in resumed))
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        handed = getattr(state, "boundary_state_offloads", None) if self.groups.state else None
+        plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens), handed)
         plan.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.clock is not None and not self.clock.attached:
             plan.hook_s = self.clock.take()  # the scheduler's hook time since the last plan
         return KVStoreMetadata(plan)
 
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed and self.planner is not None:  # never offered the same failing hit again
+            self.planner.load_failed(failed)
+
     @timed
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: a store of its blocks may still be copying; vLLM frees them on finished_sending
+        delay = self.planner.finished(request.request_id) if self.planner is not None else False
+        return delay, None
+
+    @timed
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Every group's blocks stay until the worker reports the request's stores done."""
         delay = self.planner.finished(request.request_id) if self.planner is not None else False
         return delay, None
 

@@ -17,6 +17,10 @@ import numpy as np
 from kvstore import dtypes
 
 
+LAYOUTS = ("kv", "latent", "state")
+LOSSY_LAYOUTS = ("kv", "latent")  # blocks of rows of one element dtype
+
+
 class CodecError(ValueError):
     """Stored bytes that do not decode (corrupt or foreign)."""
 
@@ -40,6 +44,10 @@ class Geometry:
     block_bytes: int
     dtype: str = "uint8"
     group_elems: int = 128
+    # what the block holds: "kv" (K/V rows of attention heads), "latent" (MLA: one latent row per
+    # token, no K/V split), "state" (a hybrid model's raw Mamba / linear-attention state pages:
+    # several tensors of their own dtypes and padding, no rows a lossy codec may quantize)
+    layout: str = "kv"
 
     @property
     def itemsize(self) -> int:
@@ -49,8 +57,16 @@ class Geometry:
     def n_elems(self) -> int:
         return self.block_bytes // self.itemsize
 
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown block layout {self.layout!r}; one of {', '.join(LAYOUTS)}")
+
     def checked(self) -> "Geometry":
         """Validate for a lossy codec (ValueError names what is wrong)."""
+        if self.layout not in LOSSY_LAYOUTS:
+            raise ValueError(f"a lossy codec (int8/fp8) cannot quantize {self.layout!r} blocks (it understands "
+                             f"{', '.join(LOSSY_LAYOUTS)}; a model with Mamba or linear-attention state needs a "
+                             "lossless codec: none or zstd)")
         if self.dtype not in DTYPES:
             raise ValueError(f"a lossy codec (int8/fp8) needs the KV element dtype, one of {sorted(DTYPES)}; "
                              f"got {self.dtype!r} (pass KVStore(..., kv_dtype=...) or a ModelFingerprint dtype)")

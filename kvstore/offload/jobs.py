@@ -7,11 +7,17 @@ it reports is kept here until the connector hands it to vLLM:
 
 * a load job returns the engine block ids it could not fill; ``take_loads()`` returns the
   requests whose loads completed and those ids together, so vLLM never sees a request as
-  loaded before it sees which of its blocks failed;
+  loaded before it sees which of its blocks failed (and, for loads that are all or nothing, the
+  requests that failed: a hybrid model's failure is reported per request);
 * store jobs are counted per request. The engine's blocks stay allocated until a request's
   stores completed: ``saves_done(req)`` (scheduler side, at ``request_finished``) waits a
   little and, if they are still running, leaves the request marked so that ``finished_sending``
   reports it once they are (``get_finished``).
+
+A store job names the engine blocks it reads (``sources``): a block vLLM frees while its request
+runs (sliding window, Mamba states) may be given to another request in the next step, so the
+worker waits for the gathers still reading it (``wait_sources``) before that step's forward pass
+or a load into it.
 
 Nothing here raises into the engine: a job that raises is logged and its request reported done
 (a failed store stores nothing; a failed load reports every block of the request as failed).
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
@@ -35,8 +42,10 @@ class CopyJobs:
         self._finished: set[str] = set()  # of those, the ones vLLM said finished (get_finished)
         self._loaded: set[str] = set()  # async loads done, not yet reported
         self._load_errors: set[int] = set()  # engine blocks of those loads that failed
+        self._failed: set[str] = set()  # requests whose all-or-nothing load failed
+        self._sources: Counter = Counter()  # engine blocks read by store jobs queued or running
         self._loading = 0
-        self.counts = {"loads": 0, "stores": 0, "delayed_frees": 0}  # jobs done, frees left to vLLM
+        self.counts = {"loads": 0, "stores": 0, "delayed_frees": 0, "fenced": 0}  # jobs done, frees left to vLLM, waits
         self._closed = False
         self._queues = {"load": queue.SimpleQueue(), "store": queue.SimpleQueue()}
         self._threads = [threading.Thread(target=self._run, args=(k,), name=f"{name}-{k}", daemon=True)
@@ -45,13 +54,15 @@ class CopyJobs:
             t.start()
 
     # -- submitting (worker's forward thread) --------------------------------------------------
-    def submit_store(self, req_ids: Iterable[str], fn: Callable[[], None]) -> None:
+    def submit_store(self, req_ids: Iterable[str], fn: Callable[[], None], sources: Iterable[int] = ()) -> None:
         reqs = sorted(set(req_ids))
+        src = tuple(sources)
         with self._cond:
             for r in reqs:
                 self._saving[r] = self._saving.get(r, 0) + 1
                 self._stored.add(r)
-        self._queues["store"].put((fn, reqs))
+            self._sources.update(src)
+        self._queues["store"].put((fn, (reqs, src)))
 
     def mark_stored(self, req_ids: Iterable[str]) -> None:
         """Requests whose stores were planned but not submitted (nothing to copy): their frees
@@ -59,10 +70,12 @@ class CopyJobs:
         with self._cond:
             self._stored.update(req_ids)
 
-    def submit_load(self, req_id: str, fn: Callable[[], set[int]], block_ids: Iterable[int]) -> None:
+    def submit_load(self, req_id: str, fn: Callable[[], set[int]], block_ids: Iterable[int],
+                    whole: bool = False) -> None:
+        """``whole``: the load is all or nothing (a failed block fails the request)."""
         with self._cond:
             self._loading += 1
-        self._queues["load"].put((fn, (req_id, tuple(block_ids))))
+        self._queues["load"].put((fn, (req_id, tuple(block_ids), whole)))
 
     # -- the threads ---------------------------------------------------------------------------
     def _run(self, kind: str) -> None:
@@ -73,7 +86,7 @@ class CopyJobs:
                 return
             fn, arg = item
             if kind == "load":
-                req_id, block_ids = arg
+                req_id, block_ids, whole = arg
                 try:
                     failed = set(fn())
                 except BaseException as e:  # never lose the request: every block failed, vLLM recomputes
@@ -82,7 +95,10 @@ class CopyJobs:
                 with self._cond:
                     self.counts["loads"] += 1
                     self._loaded.add(req_id)
-                    self._load_errors |= failed
+                    if whole and failed:
+                        self._failed.add(req_id)
+                    elif failed:
+                        self._load_errors |= failed
                     self._loading -= 1
                     self._cond.notify_all()
             else:
@@ -90,9 +106,14 @@ class CopyJobs:
                     fn()
                 except BaseException as e:  # the job stores nothing; its blocks are a later miss
                     log.warning("kvstore: async store failed (%s: %s)", type(e).__name__, e)
+                reqs, src = arg
                 with self._cond:
                     self.counts["stores"] += 1
-                    for r in arg:
+                    self._sources.subtract(src)
+                    for b in src:
+                        if self._sources[b] <= 0:
+                            del self._sources[b]
+                    for r in reqs:
                         n = self._saving.get(r, 0) - 1
                         if n > 0:
                             self._saving[r] = n
@@ -122,6 +143,16 @@ class CopyJobs:
             return self._cond.wait_for(
                 lambda: not any(ids is None or r in ids for r in self._saving), timeout=timeout)
 
+    def wait_sources(self, block_ids: Iterable[int], timeout: float | None = None) -> bool:
+        """Block until no queued or running store job reads any of ``block_ids`` (they are about
+        to be written: given to another request, or the target of a load)."""
+        ids = set(block_ids)
+        with self._cond:
+            if not self._sources or self._sources.keys().isdisjoint(ids):
+                return True
+            self.counts["fenced"] += 1
+            return self._cond.wait_for(lambda: self._sources.keys().isdisjoint(ids), timeout=timeout)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every queued job (loads and stores) completed."""
         with self._cond:
@@ -142,12 +173,13 @@ class CopyJobs:
         with self._cond:
             return self._cond.wait_for(lambda: self._loaded or not self._loading, timeout=timeout)
 
-    def take_loads(self) -> tuple[set[str], set[int]]:
-        """Requests whose async loads completed, and the engine blocks among them that failed."""
+    def take_loads(self) -> tuple[set[str], set[int], set[str]]:
+        """Requests whose async loads completed, the engine blocks among them that failed, and
+        the requests among them whose all-or-nothing load failed."""
         with self._cond:
-            done, bad = self._loaded, self._load_errors
-            self._loaded, self._load_errors = set(), set()
-        return done, bad
+            done, bad, failed = self._loaded, self._load_errors, self._failed
+            self._loaded, self._load_errors, self._failed = set(), set(), set()
+        return done, bad, failed
 
     def in_flight(self) -> dict:
         """Counts of what is queued or running (for logs and tests)."""

@@ -16,6 +16,13 @@ With ``async_loads``, ``LoadPlan`` s in ``StepPlan.async_loads`` (requests vLLM 
 ``WAITING_FOR_REMOTE_KVS``) are read and scattered on the load thread; ``get_finished`` reports
 them, with their failed blocks, to vLLM.
 
+Hybrid models: one copier per KV cache group (its layers; every group's block fits a store slot,
+a group with fewer layers filling its head, the rest zeroed); plans name each block's group. A
+hybrid model's loads are all or nothing per request (``LoadPlan.groups``): a block that fails
+fails the request (``get_transfer``'s third set; vLLM recomputes it). Before the forward pass and
+before an asynchronous load, the worker waits for the gathers still reading the blocks being
+given out (``StepPlan.fresh``; :meth:`~kvstore.offload.jobs.CopyJobs.wait_sources`).
+
 Nothing here raises into vLLM: a store-side error is a failed load (recomputed) or a skipped
 store (a later miss), logged and counted.
 """
@@ -43,12 +50,15 @@ IDLE_LOAD_WAIT_S = 0.002
 
 
 class Mover:
-    def __init__(self, shared: SharedStore, *, async_saves: bool = False, async_loads: bool = False):
+    def __init__(self, shared: SharedStore, *, async_saves: bool = False, async_loads: bool = False,
+                 rank: int = 0):
         self.shared = shared
+        self.rank = rank  # tensor-parallel rank: which handle of a plan's per-rank tuple is ours
         self.store = shared.store
         self.metrics = shared.metrics
         self.copier: kvcopy.KVCopier | None = None
         self.layout: kvcopy.KVLayout | None = None
+        self.copiers: list[kvcopy.KVCopier] = []  # one per KV cache group (hybrid models)
         self.load_errors: set[int] = set()
         self._failed_step: tuple[int, set[int]] = (-1, set())  # (the plan's step number, failed block ids)
         self.async_saves, self.async_loads = async_saves, async_loads
@@ -57,6 +67,7 @@ class Mover:
             self.jobs = shared.jobs = CopyJobs()
         self._streams: dict[str, object] = {}
         self._inline_loaded: set[str] = set()  # async_loads planned but loaded inline (no load thread)
+        self._inline_failed: set[str] = set()  # of those, all-or-nothing loads that failed
 
     def register(self, kv_caches: Any, layout: kvcopy.KVLayout) -> None:
         if layout.block_bytes != self.store.block_bytes:
@@ -64,6 +75,26 @@ class Mover:
                              f"sized for {self.store.block_bytes}; {layout.describe()}")
         self.copier = kvcopy.KVCopier(kv_caches, layout)  # validates the cache once
         self.layout = layout
+        self.copiers = [self.copier]
+
+    def register_groups(self, groups: list[tuple[Any, kvcopy.KVLayout]]) -> None:
+        """A hybrid model's caches: (per-layer tensors, layout) for each KV cache group, in
+        vLLM's group order. Each group's block is at most a store slot."""
+        for i, (_, layout) in enumerate(groups):
+            if layout.block_bytes > self.store.block_bytes:
+                raise ValueError(f"kvstore: KV cache group {i} has {layout.block_bytes} bytes per block, more "
+                                 f"than the store's {self.store.block_bytes}; {layout.describe()}")
+        self.copiers = [kvcopy.KVCopier(t, layout) for t, layout in groups]
+        self.copier, self.layout = self.copiers[0], groups[0][1]
+
+    def _slots(self, g: int, views: list) -> list:
+        """Group ``g``'s part of store slots (its block bytes, at their head)."""
+        n = self.copiers[g].block_bytes
+        return views if n == self.store.block_bytes else [v[:n] for v in views]
+
+    def _handle(self, lp: LoadPlan):
+        hid = lp.handle_id[self.rank] if isinstance(lp.handle_id, (tuple, list)) else lp.handle_id
+        return self.shared.take_handle(hid) if hid else None
 
     def _error(self, op: str, e: BaseException) -> None:
         self.metrics.store_errors.labels(op).inc()
@@ -89,12 +120,16 @@ class Mover:
         if plan.async_loads:
             if self.jobs is not None and self.async_loads and self.copier is not None:
                 for lp in plan.async_loads:
-                    self.jobs.submit_load(lp.req_id, lambda lp=lp: self._load([lp], self._stream("load")),
-                                          lp.block_ids)
+                    self.jobs.submit_load(lp.req_id, lambda lp=lp: self._fenced_load(lp), lp.block_ids,
+                                          whole=bool(lp.groups))
             else:  # no load thread: load inline, report as vLLM expects (get_finished)
-                failed = self._load(plan.async_loads, None)
-                self._inline_loaded |= {lp.req_id for lp in plan.async_loads}
-                self.load_errors |= failed
+                for lp in plan.async_loads:
+                    failed = self._load([lp], None)
+                    self._inline_loaded.add(lp.req_id)
+                    if lp.groups and failed:
+                        self._inline_failed.add(lp.req_id)
+                    else:
+                        self.load_errors |= failed
         if not plan.loads:
             self._failed_step = (plan.step, set())
             return
@@ -102,16 +137,23 @@ class Mover:
         self.load_errors |= failed
         self._failed_step = (plan.step, failed)
 
+    def _fenced_load(self, lp: LoadPlan) -> set[int]:
+        """An asynchronous load, once no gather still reads its target blocks."""
+        self.jobs.wait_sources(lp.block_ids)
+        return self._load([lp], self._stream("load"))
+
     def _load(self, loads: list[LoadPlan], stream) -> set[int]:
         """Read (NVMe) and scatter ``loads`` into the engine's blocks; the copy is complete on
         return. Returns the engine block ids that could not be filled."""
         assert self.copier is not None, "register_kv_caches was not called"
+        if any(lp.groups for lp in loads):
+            return set().union(*(self._load_whole(lp, stream) for lp in loads))
         t0 = time.perf_counter()
         failed: set[int] = set()
         lost = 0  # pinned blocks that failed here (read errors)
         srcs, dst_ids, handles, served = [], [], [], []
         for lp in loads:
-            h = self.shared.take_handle(lp.handle_id) if lp.handle_id else None
+            h = self._handle(lp)
             n = 0
             if h is not None:
                 handles.append(h)
@@ -156,6 +198,44 @@ class Mover:
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return failed
 
+    def _load_whole(self, lp: LoadPlan, stream) -> set[int]:
+        """A hybrid model's load: every block of every group, or none (all its block ids are
+        returned as failed, and vLLM recomputes the request)."""
+        t0 = time.perf_counter()
+        h = self._handle(lp)
+        ok = False
+        try:
+            n = self.store.read_load(h) if h is not None else 0  # NVMe reads: here, not on the scheduler
+            if n >= len(lp.block_ids):
+                failpoints.fire("mover.scatter")
+                for g in sorted(set(lp.groups)):
+                    sel = [i for i, x in enumerate(lp.groups) if x == g]
+                    ev = self.copiers[g].scatter(self._slots(g, [h.views[i] for i in sel]),
+                                                 [lp.block_ids[i] for i in sel], stream=stream)
+                    if ev is not None:
+                        ev.synchronize()
+                ok = True
+        except Exception as e:
+            self._error("load", e)
+        finally:
+            if h is not None:
+                try:
+                    self.store.end_load(h)
+                except Exception as e:
+                    self._error("end_load", e)
+        bt = self.store.block_tokens
+        if ok:
+            for t, blocks in Counter(lp.tiers).items():  # per token block, not per group block
+                self.metrics.served_tokens.labels(t).inc(blocks * bt)
+                if lp.kind:
+                    self.store.metrics.served_by_kind.labels(t, lp.kind).inc(blocks * bt)
+        else:
+            self.metrics.unsupplied_tokens.labels("load_failed").inc(lp.num_tokens)
+            log.warning("kvstore: the load of request %s (%d blocks in %d groups) failed; vLLM recomputes it",
+                        lp.req_id, len(lp.block_ids), len(set(lp.groups)))
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+        return set() if ok else set(lp.block_ids) or {-1}
+
     def _good_part(self, sp: StorePlan, failed: set[int]) -> int:
         """How many leading blocks of a store plan were not computed over a failed load."""
         for i, b in enumerate(sp.prior_ids):
@@ -166,19 +246,21 @@ class Mover:
                 return i
         return len(sp.block_ids)
 
-    def _to_store(self, plan: StepPlan) -> dict[float | None, tuple[list[bytes], list[int], list[str]]]:
-        """The step's good blocks to store, grouped by retention hint: ttl -> (keys, ids, requests)."""
+    def _to_store(self, plan: StepPlan) -> dict[float | None, tuple[list[bytes], list[int], list[str], list[int]]]:
+        """The step's good blocks to store, grouped by retention hint: ttl -> (keys, ids,
+        requests, the KV cache group of each block)."""
         pid, failed = self._failed_step
         if pid != plan.step:  # start_load_kv did not run for this plan
             failed = set()
-        groups: dict[float | None, tuple[list[bytes], list[int], list[str]]] = {}
+        groups: dict[float | None, tuple[list[bytes], list[int], list[str], list[int]]] = {}
         skipped = 0
         for sp in plan.stores:
             n = self._good_part(sp, failed) if failed else len(sp.block_ids)
             skipped += len(sp.block_ids) - n
-            keys, ids, reqs = groups.setdefault(sp.ttl, ([], [], []))
+            keys, ids, reqs, gs = groups.setdefault(sp.ttl, ([], [], [], []))
             keys.extend(sp.keys[:n])
             ids.extend(sp.block_ids[:n])
+            gs.extend(sp.groups[:n] if sp.groups else [0] * n)
             reqs.append(sp.req_id)
         if skipped:
             self.metrics.skipped_blocks.labels("failed_load").inc(skipped)
@@ -190,10 +272,11 @@ class Mover:
         if not plan.stores:
             return
         assert self.copier is not None, "register_kv_caches was not called"
-        for ttl, (keys, ids, reqs) in self._to_store(plan).items():
-            self._save(keys, ids, reqs, ttl)
+        for ttl, (keys, ids, reqs, gs) in self._to_store(plan).items():
+            self._save(keys, ids, reqs, ttl, gs)
 
-    def _save(self, keys: list[bytes], ids: list[int], reqs: list[str], ttl: float | None) -> None:
+    def _save(self, keys: list[bytes], ids: list[int], reqs: list[str], ttl: float | None,
+              gs: list[int] | None = None) -> None:
         t0 = time.perf_counter()
         if not keys:
             if self.jobs is not None and self.async_saves:
@@ -207,8 +290,10 @@ class Mover:
                 self.jobs.mark_stored(reqs)
             return
         sel = [i for i, v in enumerate(h.views) if v is not None]
+        ids, views = [ids[i] for i in sel], [h.views[i] for i in sel]
+        gs = [gs[i] for i in sel] if gs and len(self.copiers) > 1 else None
         if self.jobs is None or not self.async_saves:
-            self._gather_commit(h, [ids[i] for i in sel], [h.views[i] for i in sel], None, None, t0)
+            self._gather_commit(h, ids, views, None, None, t0, gs)
             return
         ready = None
         stream = self._stream("store")
@@ -216,19 +301,27 @@ class Mover:
             import torch
 
             ready = torch.cuda.current_stream(self.copier.device_index).record_event()
-        self.jobs.submit_store(reqs, lambda: self._gather_commit(h, [ids[i] for i in sel], [h.views[i] for i in sel],
-                                                                 stream, ready, t0))
+        self.jobs.submit_store(reqs, lambda: self._gather_commit(h, ids, views, stream, ready, t0, gs), ids)
 
-    def _gather_commit(self, h, ids: list[int], views: list, stream, ready, t0: float) -> None:
+    def _gather_commit(self, h, ids: list[int], views: list, stream, ready, t0: float,
+                       gs: list[int] | None = None) -> None:
         ok = True
         try:
             if ready is not None:
                 stream.wait_event(ready)
-            for i in range(0, len(ids), GATHER_CHUNK):
-                failpoints.fire("mover.gather")
-                ev = self.copier.gather(ids[i:i + GATHER_CHUNK], views[i:i + GATHER_CHUNK], stream=stream)
-                if ev is not None:
-                    ev.synchronize()  # a copy error is raised here, and the store is abandoned
+            parts = [(0, ids, views)] if gs is None else [
+                (g, [ids[i] for i, x in enumerate(gs) if x == g], [views[i] for i, x in enumerate(gs) if x == g])
+                for g in sorted(set(gs))]
+            for g, g_ids, g_views in parts:
+                copier, slots = self.copiers[g], self._slots(g, g_views)
+                if slots is not g_views:  # a group smaller than the slot: its tail holds nothing
+                    for v in g_views:
+                        v[copier.block_bytes:] = 0
+                for i in range(0, len(g_ids), GATHER_CHUNK):
+                    failpoints.fire("mover.gather")
+                    ev = copier.gather(g_ids[i:i + GATHER_CHUNK], slots[i:i + GATHER_CHUNK], stream=stream)
+                    if ev is not None:
+                        ev.synchronize()  # a copy error is raised here, and the store is abandoned
         except Exception as e:
             self._error("gather", e)
             ok = False
@@ -245,22 +338,34 @@ class Mover:
                      ) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose stores completed and whose blocks vLLM kept for them, requests whose
         async loads completed). The loads' failed blocks join ``take_load_errors`` in the same call."""
+        sending, recving, _ = self.get_transfer(finished_req_ids, plan)  # a single group: none fail whole
+        return sending, recving
+
+    def get_transfer(self, finished_req_ids: set[str], plan: StepPlan | None = None
+                     ) -> tuple[set[str] | None, set[str] | None, set[str]]:
+        """:meth:`get_finished`, and the requests whose all-or-nothing loads failed (among the
+        completed ones: vLLM recomputes them whole)."""
         sending: set[str] = set()
         recving, self._inline_loaded = self._inline_loaded, set()
+        failed, self._inline_failed = self._inline_failed, set()
         if self.jobs is not None:
             if plan is not None and plan.idle:
                 self.jobs.wait_load(IDLE_LOAD_WAIT_S)
             sending = self.jobs.finished_sending(finished_req_ids)
-            done, bad = self.jobs.take_loads()
+            done, bad, whole = self.jobs.take_loads()
             recving |= done
+            failed |= whole
             self.load_errors |= bad
-        return (sending or None), (recving or None)
+        return (sending or None), (recving or None), failed
 
     def handle_preemptions(self, plan: StepPlan) -> None:
-        """Preempted requests' blocks are freed and may be overwritten in this step: their
-        in-flight gathers finish first."""
+        """Before the forward pass. Preempted requests' blocks are freed and may be overwritten in
+        this step: their in-flight gathers finish first; so do those reading a block given out
+        in this step (a hybrid model frees blocks while their requests run)."""
         if self.jobs is not None and plan.preempted:
             self.jobs.wait_saves(plan.preempted)
+        if self.jobs is not None and plan.fresh:
+            self.jobs.wait_sources(plan.fresh)
 
     def close(self) -> None:
         if self.jobs is not None:

@@ -25,6 +25,15 @@ were handed to the store, and a pinned load if one is planned.
   request's blocks until the worker reports its stores done (``finished_sending``); a store
   that already finished (the usual case: the gather ran while vLLM sampled) frees them at once.
 
+Hybrid models (``groups``: :class:`~kvstore.offload.groups.KVGroups`, several KV cache groups).
+Every block table is kept per group; a lookup offers only what every group can supply
+(``KVGroups.hit``), loads are always asynchronous and all or nothing per request (a failed one
+is reported by the worker as the request's, vLLM recomputes it, and the request is never offered
+a hit again: ``load_failed``), stores follow each group's rule, and Mamba states come from vLLM's
+hand-offs (``boundary_states``). ``StepPlan.fresh`` names the blocks given out in the step: the
+worker waits for a gather still reading one of them (a sliding-window block is freed, and may be
+given to another request, while its own request runs).
+
 Cache truth under failure. A block is stored only when its KV is known good:
 
 * The worker drops, within the step, every store at or after a block whose load failed in
@@ -47,6 +56,7 @@ from typing import Sequence
 
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload.client import StoreClient
+from kvstore.offload.groups import KVGroups
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.replay import GENUINE, REPLAY, ReplayMemory, prompt_digest
 from kvstore.store.stepcost import pairs
@@ -66,11 +76,13 @@ SAVE_WAIT_S = 0.5
 class LoadPlan:
     req_id: str
     block_ids: list[int]  # engine blocks to fill, in prefix order
-    handle_id: int  # the pinned LoadHandle in the shared store (0: none, every block fails)
+    handle_id: int | tuple  # the pinned LoadHandle in the shared store (0: none, every block fails);
+    # with tensor parallelism one per rank (kvstore.offload.ranks)
     num_tokens: int
     first: int = 0  # position of block_ids[0] in the request's block table
     tiers: tuple[str, ...] = ()  # the tier each block was found in (for the served-tokens counters)
     kind: str = ""  # replay or genuine (kvstore.offload.replay), for the served-by-kind counter
+    groups: list[int] = field(default_factory=list)  # KV cache group of each block (empty: all group 0)
 
 
 @dataclass
@@ -81,6 +93,7 @@ class StorePlan:
     start: int = 0  # position of block_ids[0] in the request's block table
     prior_ids: list[int] = field(default_factory=list)  # block_ids before ``start`` (steps that load)
     ttl: float | None = None  # the request's retention hint (idle TTL), None = the config's
+    groups: list[int] = field(default_factory=list)  # KV cache group of each block (empty: all group 0)
 
 
 @dataclass
@@ -95,6 +108,7 @@ class StepPlan:
     tokens: int = 0  # all its scheduled tokens
     pairs: int = 0  # their attention (query, context) pairs (kvstore.store.stepcost.pairs)
     hook_s: dict = field(default_factory=dict)  # hook -> (seconds, calls) of a scheduler in another process
+    fresh: list[int] = field(default_factory=list)  # blocks given out in this step (hybrid models)
 
 
 @dataclass
@@ -105,7 +119,7 @@ class RequestState:
     extra: object = None  # LoRA name, cache salt ... (applies to every block)
     mm: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, identifier) spans
     keys: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=lambda: [[]])  # the block table of each KV cache group
     saved_blocks: int = 0
     prefetch: int | None = None  # token of a running prefetch (client.prefetch_done)
     load: tuple | None = None  # (handle_id, first block, n blocks, tiers), until planned
@@ -125,13 +139,26 @@ class RequestState:
     ttl: float | None = None  # retention hint (kv_transfer_params: kvstore.ttl_s), None = the config's
     store: bool = True  # False: a one-off request (kvstore.store: false), its blocks are never stored
     first_hit: tuple | None = None  # (engine-local tokens, kvstore tokens pinned, miss reason) at the first lookup
+    gkeys: dict = field(default_factory=dict)  # group -> its keys so far (hybrid models)
+    junction: int = 0  # blocks of the stored prefix the first lookup found, where it ended early
+    load_failed: bool = False  # a load of this request failed as a whole: never offered a hit again
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table of group 0 (the only one of most models)."""
+        return self.tables[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: list[int]) -> None:
+        self.tables[0] = ids
 
 
 class Planner:
     def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True,
                  trace: TraceWriter | None = None, async_loads: bool = False, async_saves: bool = False,
-                 always_delay: bool = False, trace_tokens: bool = False):
+                 always_delay: bool = False, trace_tokens: bool = False, groups: KVGroups | None = None):
         self.client = client
+        self.groups = groups if groups is not None and not groups.plain else None  # None: one full-attention group
         self.replays = ReplayMemory()
         self.trace_tokens = trace_tokens  # the trace keeps prompt token ids (opt-in)
         self.async_loads = async_loads
@@ -216,6 +243,8 @@ class Planner:
             return 0
 
     def _lookup(self, st: RequestState, num_computed: int) -> int | None:
+        if self.groups is not None:
+            return self._lookup_groups(st, num_computed)
         keys = self.keys_upto(st, self._max_blocks(st))
         if st.prefetch is not None and st.prefetch >= 0:
             if not self.client.prefetch_done(st.prefetch):
@@ -235,6 +264,115 @@ class Planner:
             return None
         hit = m.num_blocks * self.bs
         return max(0, hit - num_computed)
+
+    # -- hybrid models (several KV cache groups) -------------------------------------------------
+    def group_keys(self, st: RequestState, g: int, n_blocks: int) -> list[bytes]:
+        """Group ``g``'s keys of the first ``n_blocks`` full blocks (derived once per block)."""
+        have = st.gkeys.setdefault(g, [])
+        if n_blocks > len(have):
+            have.extend(self.groups.keys(g, self.keys_upto(st, n_blocks)[len(have):]))
+        return have[:n_blocks]
+
+    def _lookup_groups(self, st: RequestState, num_computed: int) -> int:
+        """The longest prefix every group can supply: the full-attention groups' common stored
+        prefix (one call, their keys interleaved block by block), then shortened until every
+        window and state group has what a hit there needs (``KVGroups.hit``)."""
+        G, bs, top = self.groups, self.bs, self._max_blocks(st)
+        skip = num_computed // bs
+        st.load_async = True  # all or nothing, reported per request: vLLM's async path only
+        if st.load_failed:  # vLLM recomputes it whole and asks again: never the same failing hit
+            st.found, st.miss_reason = skip, "load_failed"
+            return 0
+        self.keys_upto(st, top)
+        reason, tiers = None, ["dram"] * top
+        m_full = top
+        if G.full:
+            cols = [self.group_keys(st, g.index, top) for g in G.full]
+            m = self.client.contains_prefix([k for row in zip(*cols) for k in row], record=False,
+                                            held=skip * len(cols))
+            m_full = m.num_blocks // len(cols)
+            reason = m.miss_reason if m_full < top else None
+            order = {"dram": 0}
+            for i in range(m_full):  # each block's slowest tier among the groups
+                tiers[i] = max(m.tiers[i * len(cols):(i + 1) * len(cols)], key=lambda t: order.get(t, 1))
+
+        def probe(g, need: list[int]) -> tuple[int, str | None]:
+            keys = self.group_keys(st, g.index, need[-1] + 1)
+            m = self.client.contains_prefix([keys[i] for i in reversed(need)], record=False)
+            return m.num_blocks, m.miss_reason
+
+        k, _, why = G.hit(m_full, skip, probe)
+        st.failed = False
+        if not st.junction and 0 < m_full < top:
+            st.junction = m_full  # a stored prefix ends here: another prompt shares it
+        st.origin = tuple(tiers[:k])
+        st.found, st.miss_reason = k, (why or reason) if k < top else None
+        return max(0, k * bs - num_computed)
+
+    def _pin_groups(self, st: RequestState, num_computed: int, num_external: int, tables) -> tuple[int, tuple]:
+        """Pin every non-null block the engine allocated for the hit, in every group, and plan
+        their load (asynchronous, all or nothing). Returns (blocks pinned, their tiers)."""
+        G, bs = self.groups, self.bs
+        first, k = num_computed // bs, (num_computed + num_external) // bs
+        keys, ids, groups = [], [], []
+        complete = tables is not None and len(tables) == len(G)
+        for g in G.groups if complete else ():
+            table = tables[g.index]
+            if len(table) < k:
+                complete = False
+                break
+            gk = self.group_keys(st, g.index, k)
+            for i in range(first, k):
+                if table[i]:  # 0: vLLM's null block, the group needs nothing there
+                    keys.append(gk[i])
+                    ids.append(table[i])
+                    groups.append(g.index)
+        hid, got = 0, 0
+        if complete:
+            try:
+                hid, got, _ = self.client.begin_load(keys, session=st.req_id, ttl_s=st.ttl)
+            except Exception as e:  # promised but not pinned: the worker fails the request
+                self._failed("begin_load", e)
+        else:
+            log.warning("kvstore: request %s: block tables %s do not cover the %d-block hit; it is recomputed",
+                        st.req_id, None if tables is None else [len(t) for t in tables], k)
+        ok = complete and got == len(keys)
+        if ok:
+            st.saved_blocks = max(st.saved_blocks, k)
+        tiers = tuple(st.origin[i] if i < len(st.origin) else "dram" for i in range(first, k))
+        self._async_pending.append(LoadPlan(st.req_id, ids, hid, num_external, first, tiers,
+                                            REPLAY if st.replay else GENUINE, groups))
+        return (k - first) if ok else 0, tiers
+
+    def boundary_states(self, states: dict) -> list[StorePlan]:
+        """Store plans for the Mamba states vLLM handed off this step (``{req_id: [(group,
+        block id, boundary tokens)]}``): the state after block ``tokens // block_size - 1``."""
+        out = []
+        G = self.groups
+        for rid, entries in states.items():
+            st = self.reqs.get(rid)
+            if G is None or st is None or not st.cacheable or not st.store:
+                continue
+            keys, ids, groups = [], [], []
+            for g, bid, t in entries:
+                if not bid or t % self.bs or t < self.bs or not 0 <= g < len(G) or G.groups[g].role != "state":
+                    continue
+                gk = self.group_keys(st, g, t // self.bs)
+                if len(gk) == t // self.bs:
+                    keys.append(gk[-1])
+                    ids.append(bid)
+                    groups.append(g)
+            if keys:
+                out.append(StorePlan(rid, ids, keys, ttl=st.ttl, groups=groups))
+                st.had_stores = True
+        return out
+
+    def load_failed(self, req_ids) -> None:
+        """The worker reported these requests' loads failed (vLLM recomputes them whole)."""
+        for rid in req_ids:
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.load_failed = True
 
     def _max_blocks(self, st: RequestState) -> int:
         """Full prompt blocks that may be offered: never the prompt's last token (the engine
@@ -275,7 +413,9 @@ class Planner:
         num_computed = st.num_local
         self._drop_load(st)
         hid, got_blocks, tiers = 0, 0, ()
-        if num_external > 0:
+        if num_external > 0 and self.groups is not None:
+            got_blocks, tiers = self._pin_groups(st, num_computed, num_external, block_ids)
+        elif num_external > 0:
             first = num_computed // self.bs
             n = num_external // self.bs
             keys = self.keys_upto(st, first + n)[first:first + n]
@@ -321,29 +461,40 @@ class Planner:
                 self._guard("end_load", self.client.end_load, st.load[0])
             st.load = None
 
-    def build_step(self, new: Sequence[tuple[str, list[int], int]],
-                   cached: Sequence[tuple[str, list[int] | None, int, bool]],
-                   num_scheduled: dict[str, int]) -> StepPlan:
+    def build_step(self, new: Sequence[tuple[str, list[int] | tuple, int]],
+                   cached: Sequence[tuple[str, list[int] | tuple | None, int, bool]],
+                   num_scheduled: dict[str, int], states: dict | None = None) -> StepPlan:
         """``new``: (req_id, block_ids, num_computed); ``cached``: (req_id, new_block_ids or None,
-        num_computed, resumed). Returns this step's loads and stores."""
+        num_computed, resumed); block ids a list (one group) or a tuple of lists (one per group).
+        ``states``: the Mamba states vLLM handed off (:meth:`boundary_states`). Returns this
+        step's loads and stores."""
         self.steps += 1
         plan = StepPlan(step=self.steps, async_loads=self._async_pending)
         self._async_pending = []
+        multi = self.groups is not None
         for rid, block_ids, computed in new:
             st = self.reqs.get(rid)
             if st is None:
                 continue
-            st.block_ids = list(block_ids)
+            st.tables = [list(t) for t in block_ids] if isinstance(block_ids, tuple) else [list(block_ids)]
+            if multi:
+                plan.fresh.extend(b for t in st.tables for b in t if b)
             self._plan_req(plan, st, computed, num_scheduled.get(rid, 0))
         for rid, new_ids, computed, resumed in cached:
             st = self.reqs.get(rid)
             if st is None:
                 continue
+            per = list(new_ids) if isinstance(new_ids, tuple) else [new_ids]
             if resumed:
-                st.block_ids = list(new_ids or [])
+                st.tables = [list(t or []) for t in per]
             elif new_ids:
-                st.block_ids.extend(new_ids)
+                for t, more in zip(st.tables, per):
+                    t.extend(more or ())
+            if multi and new_ids:
+                plan.fresh.extend(b for t in per for b in (t or ()) if b)
             self._plan_req(plan, st, computed, num_scheduled.get(rid, 0))
+        if states:
+            plan.stores.extend(self.boundary_states(states))
         if plan.loads:  # the worker drops stores computed over a block that fails to load
             for sp in plan.stores:
                 st = self.reqs[sp.req_id]
@@ -372,12 +523,38 @@ class Planner:
             # was preempted): what it recomputes from here is stored again, once it is good
             st.saved_blocks = computed // self.bs
             self.rollbacks += 1
+        if self.groups is not None:
+            self._store_groups(plan, st, min((computed + scheduled) // self.bs, len(st.tokens) // self.bs))
+            return
         full = min((computed + scheduled) // self.bs, len(st.tokens) // self.bs, len(st.block_ids))
         if full > st.saved_blocks:
             keys = self.keys_upto(st, full)
             start = st.saved_blocks
             plan.stores.append(StorePlan(st.req_id, st.block_ids[start:full], keys[start:full], start, ttl=st.ttl))
             st.saved_blocks = full
+            st.had_stores = True
+
+    def _store_groups(self, plan: StepPlan, st: RequestState, full: int) -> None:
+        """The blocks that become full in this step, in every table group that keeps them
+        (``KVGroups.keeps``); a block is stored in the step that computes it, while vLLM still
+        holds it in every group (a sliding-window block is freed soon after)."""
+        start = st.saved_blocks
+        if full <= start:
+            return
+        G, last = self.groups, self._max_blocks(st)
+        keys, ids, groups = [], [], []
+        for g in G.table:
+            table = st.tables[g.index] if g.index < len(st.tables) else []
+            gk = None
+            for i in range(start, min(full, len(table))):
+                if table[i] and G.keeps(g, i, last, st.junction):
+                    gk = gk or self.group_keys(st, g.index, full)
+                    keys.append(gk[i])
+                    ids.append(table[i])
+                    groups.append(g.index)
+        st.saved_blocks = full
+        if keys:
+            plan.stores.append(StorePlan(st.req_id, ids, keys, start, ttl=st.ttl, groups=groups))
             st.had_stores = True
 
     def finished(self, req_id: str) -> bool:

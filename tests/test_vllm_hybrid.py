@@ -1,0 +1,160 @@
+"""Hybrid models through real vLLM engines (vllm-cpu), with vLLM's hybrid KV cache manager on
+(issue 31): tiny models built offline (bench/tiny_model.py).
+
+* Gemma-3 style (sliding window of 64 tokens, smaller than the prompts, beside full attention):
+  two KV cache groups with and without the connector, the same KV capacity in tokens, hits from
+  DRAM, from NVMe after a restart and in vLLM's multiprocess executor (the store over the RPC
+  socket), outputs equal to vLLM's own prefix cache's, a sliding-window group storing only its
+  windows;
+* Qwen3-Next style (Gated DeltaNet beside full attention; blocks of 288 tokens, bfloat16): hits
+  from DRAM and NVMe, the state at the hit's last block loaded beside the full-attention blocks;
+* DeepSeek-V2 style MLA on the CPU backend: the connector logs why and stores nothing, and the
+  engine runs as without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+vllm = pytest.importorskip("vllm")
+
+from kvstore.bench.engine import Engine as BenchEngine  # noqa: E402
+from test_vllm_connector import Engine, _drive, loaded  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
+
+
+def core(e: Engine):
+    return e.llm.llm_engine.engine_core.engine_core  # in-process mode
+
+
+def groups_and_capacity(e: Engine) -> tuple[list[str], int]:
+    c = core(e)
+    kinds = [type(g.kv_cache_spec).__name__ for g in c.scheduler.kv_cache_config.kv_cache_groups]
+    return kinds, int(c.vllm_config.cache_config.kv_cache_size_tokens)
+
+
+def own_cache(model: str, prompts, **kw) -> tuple[list, list, tuple]:
+    """vLLM's own prefix cache, no connector: the outputs of a cold run, the same prompts again
+    (hits from its own cache: equal outputs), and its groups and capacity."""
+    e = BenchEngine(model, block_size=32, max_len=4096, prefix_caching=True, **kw)
+    try:
+        cold, _ = e.generate(prompts, 16)
+        warm, cached = e.generate(prompts, 16)
+        assert warm == cold and any(cached), cached  # the reference itself hit its own cache
+        return cold, cached, groups_and_capacity(e)
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from kvstore.bench.tiny_model import build_tiny_gemma3
+
+    return build_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), window=64)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    from kvstore.bench.tiny_model import build_tiny_qwen3_next
+
+    return build_tiny_qwen3_next(str(tmp_path_factory.mktemp("qwen3-next")))
+
+
+def stored(shared) -> dict[str, int]:
+    return {t: s["blocks"] for t, s in shared.store.stats()["tiers"].items()}
+
+
+def test_gemma3_sliding_window_and_full_attention(gemma3, tmp_path):
+    store = str(tmp_path / "s")
+    shared = prompt(200, 1)
+    prompts = [shared + prompt(100, 2), shared + prompt(137, 3), prompt(260, 4)]  # 300, 337, 260 tokens
+    ref, _, (kinds, capacity) = own_cache(gemma3, prompts)
+    assert kinds == ["SlidingWindowSpec", "FullAttentionSpec"]
+    with Engine(gemma3, store) as e:
+        assert groups_and_capacity(e) == (kinds, capacity)  # vLLM's hybrid manager stays on, nothing lost
+        cold, cached = e.generate(prompts)
+        assert cold == ref and cached == [0, 0, 0]
+        # 16 tokens generated: full blocks 9, 11 and 8; the window (64 tokens, 2 blocks of 32) only
+        # before the last offerable block boundary and after it
+        fa, sw = 9 + 11 + 8 - 6, (9 - 7) + (11 - 8) + (8 - 6)  # (the 6 blocks of the shared 200 tokens stored once)
+        assert e.shared.metrics.summary()["stored_blocks"] == fa + sw == 29
+        warm, cached = e.generate(prompts)  # vLLM's cache was reset: every hit is kvstore's, from DRAM
+        assert warm == ref and cached == [288, 320, 256]
+        assert loaded(e.shared, "dram") == 288 + 320 + 256 and loaded(e.shared, "nvme") == 0
+    with Engine(gemma3, store) as e:  # a restart: an empty DRAM tier, the blocks in files
+        out, cached = e.generate(prompts)
+        assert out == ref and cached == [288, 320, 256] and loaded(e.shared, "nvme") == 288 + 320 + 256
+    # vLLM's multiprocess executor: the worker (and the store) in another process, over the RPC socket
+    r = _drive({"model": gemma3, "store": store, "prompts": prompts + [shared + prompt(90, 5)], "rounds": 2,
+                "mp": True, "max_tokens": 16})
+    assert [x["tokens"][:3] for x in r["rounds"]] == [ref, ref]
+    assert r["rounds"][0]["cached"] == [288, 320, 256, 0]  # the new prompt meets the shared prefix's junction
+    assert r["rounds"][1]["cached"] == [288, 320, 256, 288]
+
+
+def test_qwen3_next_gated_deltanet_and_full_attention(qwen3_next, tmp_path):
+    """The state after the hit's last block (288 tokens a block here) is stored from vLLM's
+    hand-off and loaded with the full-attention blocks, asynchronously (a synchronous load would
+    race vLLM's own copy of the state)."""
+    store = str(tmp_path / "s")
+    prompts = [prompt(300, 11), prompt(620, 12), prompt(250, 13)]
+    ref, _, (kinds, capacity) = own_cache(qwen3_next, prompts, dtype="bfloat16")
+    assert kinds == ["MambaSpec", "FullAttentionSpec"]
+    with Engine(qwen3_next, store, dtype="bfloat16") as e:
+        assert groups_and_capacity(e) == (kinds, capacity)
+        cold, cached = e.generate(prompts)
+        assert cold == ref and cached == [0, 0, 0]
+        # full attention: 1 + 2 blocks; states: one each, at the last boundary before the last token
+        assert e.shared.metrics.summary()["stored_blocks"] == 3 + 2
+        warm, cached = e.generate(prompts)
+        assert warm == ref and cached == [288, 576, 0] and loaded(e.shared, "dram") == 864
+        assert e.shared.jobs.counts["loads"] == 2  # asynchronous: vLLM waited in WAITING_FOR_REMOTE_KVS
+    with Engine(qwen3_next, store, dtype="bfloat16") as e:
+        out, cached = e.generate(prompts)
+        assert out == ref and cached == [288, 576, 0] and loaded(e.shared, "nvme") == 864
+
+
+@pytest.fixture
+def kvstore_log():
+    records: list[logging.LogRecord] = []
+
+    class H(logging.Handler):
+        def emit(self, r):
+            records.append(r)
+
+    h = H(logging.WARNING)
+    lg = logging.getLogger("vllm.kvstore")
+    lg.addHandler(h)
+    yield records
+    lg.removeHandler(h)
+
+
+def test_mla_on_the_cpu_backend_is_logged_and_stores_nothing(tmp_path, kvstore_log):
+    from kvstore.bench.tiny_model import build_tiny_deepseek_v2
+    from kvstore.connectors.vllm import connector as conn
+
+    model = build_tiny_deepseek_v2(str(tmp_path / "dsv2"))
+    prompts = [prompt(300, 21)]
+    with Engine(model, None, connector=False) as e:  # (vLLM turns prefix caching off for MLA on CPU)
+        ref, _ = e.generate(prompts, reset=False)
+    conn._logged_off.clear()
+    with Engine(model, str(tmp_path / "s")) as e:
+        for _ in range(2):
+            out, cached = e.generate(prompts)
+            assert out == ref and cached == [0]
+        assert not os.path.exists(tmp_path / "s")  # no store was made
+    why = [r.getMessage() for r in kvstore_log if "stores nothing" in r.getMessage()]
+    assert len(why) == 1 and "MLA" in why[0], why  # once, though both halves were built
