@@ -106,45 +106,83 @@ def peer_table(results: list[dict]) -> str:
     return markdown_table(lines, cols + ["ok"], names + ["bytes ok"])
 
 
+LIMIT_NAMES = {"dram": "memcpy of the same blocks", "nvme": "O_DIRECT write / read of the same bytes",
+               "remote": "raw pipelined SET / GETEX of the same values"}
+
+
+def _threads(c: int) -> str:
+    return f"{c} caller thread{'s' if c != 1 else ''}"
+
+
 def plot(data: dict, folder: str) -> list[str]:
+    """tiers_gbps.png: per tier, kvstore's GB/s beside the limit measured on the same bytes in the
+    same run (named in the title), one group per op, tokens per block and caller threads;
+    tiers_latency.png: ms per call against tokens per block (16, 32, 128: the axis says so), one
+    line per op and thread count. Legends sit below the panels, never over the data."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+
     figs = Figures(folder)
     plt = figs.plt
     tiers = [t for t in ("dram", "nvme", "remote") if any(r["tier"] == t for r in data["results"])]
     if not tiers:
         return figs.paths
-    fig, axes = plt.subplots(len(tiers), 1, figsize=(11, 3.6 * len(tiers)), squeeze=False)
+    name = {"dram": "DRAM", "nvme": "NVMe", "remote": "remote (Redis)"}
+    n_max = max(sum(1 for r in data["results"] if r["tier"] == t and r.get("path", "store") == "store") for t in tiers)
+    fig, axes = plt.subplots(len(tiers), 1, figsize=(max(11, 0.75 * n_max), 4.2 * len(tiers)), squeeze=False)
     for ax, tier in zip(axes[:, 0], tiers):
         rows = [r for r in data["results"] if r["tier"] == tier and r.get("path", "store") == "store"]
-        labels = [f"{r['op']} {r['block_tokens']}t x{r['concurrency']}"
+        labels = [f"{r['op']}\n{r['block_tokens']} tok\n{r['concurrency']} thr"
                   + ("" if r["codec"] == "none" else f"\n{r['codec']}") for r in rows]
         x = np.arange(len(rows))
-        ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, label="kvstore GB/s")
-        ax.bar(x + 0.2, [r["limit_gbps"] for r in rows], 0.4, label="limit GB/s (same bytes, same run)")
+        ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, color="C0", label="kvstore")
+        ax.bar(x + 0.2, [r["limit_gbps"] for r in rows], 0.4, color="C7",
+               label="the limit, measured on the same bytes right before (ratio = kvstore / limit above each pair)")
+        top = max([max(r["gbps"], r["limit_gbps"]) for r in rows] or [1.0])
         for i, r in enumerate(rows):
-            ax.text(i, max(r["gbps"], r["limit_gbps"]), f"{r['ratio']:.0%}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(x, labels, fontsize=8)
+            ax.text(i, max(r["gbps"], r["limit_gbps"]) + top * 0.01, f"{r['ratio']:.0%}", ha="center", va="bottom",
+                    fontsize=7)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_ylim(0, top * 1.12)
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{tier.upper()} tier vs. its limit (ratio above the bars)")
-        ax.legend(fontsize=8)
-    figs.save(fig, "tiers_gbps.png")
-    fig, axes = plt.subplots(1, len(tiers), figsize=(6 * len(tiers), 4), squeeze=False)
+        ax.set_xlabel("op / tokens per block / caller threads" + (
+            "   (put_full: a put into a full tier, each block replacing a victim's file)"
+            if any(r["op"] == "put_full" for r in rows) else ""))
+        ax.set_title(f"{name[tier]} tier vs. its limit: {LIMIT_NAMES[tier]}")
+        ax.grid(axis="y", alpha=0.3)
+    h, l = axes[0, 0].get_legend_handles_labels()
+    fig.legend(h, l, loc="lower center", ncol=2, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05 / len(tiers) + 0.02, 1, 1))
+    figs.save(fig, "tiers_gbps.png", layout=False)
+    fig, axes = plt.subplots(1, len(tiers), figsize=(6.5 * len(tiers), 4.8), squeeze=False)
+    handles: dict = {}
     for ax, tier in zip(axes[0], tiers):
-        for op in ("put", "get"):
-            for c in sorted({r["concurrency"] for r in data["results"]}):
+        sizes = {}
+        for i, op in enumerate(("put", "get")):
+            for j, c in enumerate(sorted({r["concurrency"] for r in data["results"]})):
                 rows = sorted([r for r in data["results"] if r["tier"] == tier and r["op"] == op
                                and r["concurrency"] == c and r["codec"] == "none" and r.get("path", "store") == "store"],
                               key=lambda r: r["block_tokens"])
                 if not rows:
                     continue
                 xs = [r["block_tokens"] for r in rows]
-                line, = ax.plot(xs, [r["p50_ms"] for r in rows], "-o", label=f"{op} x{c} p50")
-                ax.plot(xs, [r["p99_ms"] for r in rows], "--", color=line.get_color(), alpha=0.7,
-                        label=f"{op} x{c} p99")
+                sizes.update({r["block_tokens"]: r["block_bytes"] for r in rows})
+                color = f"C{2 * i + j}"
+                h50, = ax.plot(xs, [r["p50_ms"] for r in rows], "-o", color=color)
+                ax.plot(xs, [r["p99_ms"] for r in rows], "--", color=color, alpha=0.7)
+                handles[f"{op}, {_threads(c)}"] = h50
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("tokens per block")
-        ax.set_ylabel(f"ms per call ({data['params']['batch']} blocks)")
-        ax.set_title(f"{tier.upper()} latency")
-        ax.legend(fontsize=7)
-    figs.save(fig, "tiers_latency.png")
+        ax.set_xticks(sorted(sizes))
+        ax.set_xticklabels([f"{t}\n({sizes[t] / 2**20:g} MiB)" for t in sorted(sizes)])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("tokens per block (block size)")
+        ax.set_ylabel(f"ms per call of {data['params']['batch']} blocks (log scale)")
+        ax.set_title(f"{name[tier]} latency: p50 solid, p99 dashed")
+        ax.grid(alpha=0.3, which="both")
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    figs.save(fig, "tiers_latency.png", layout=False)
     return figs.paths
