@@ -221,21 +221,31 @@ def render(data: dict) -> str:
 
 
 def plot(data: dict, folder: str) -> list[str]:
+    """TTFT against prompt length, multi-turn throughput and TTFT, the no-reuse tax. Every y axis
+    from 0; legends below the panels, never over the data; the block size in each title."""
     figs = Figures(folder)
     plt = figs.plt
     rows = data["results"]
+    pr = data["params"]
+    model = (f"tiny model, {pr['device'].upper()}" + (f", {pr['block_size']}-token blocks" if pr.get("block_size")
+                                                       else ""))
     if rows:
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(8, 5))
         for key in dict.fromkeys((r["case"], r.get("design", "")) for r in rows):
             pts = [(r["prompt_tokens"], r["ttft_ms"]) for r in rows if (r["case"], r.get("design", "")) == key]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=_label(*key))
+        lengths = sorted({r["prompt_tokens"] for r in rows})
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT (ms)")
-        ax.set_title(f"TTFT: recompute vs. prefix hits (tiny model, {data['params']['device'].upper()})")
-        ax.legend()
-        figs.save(fig, "e2e_ttft.png")
+        ax.set_ylabel("TTFT (ms), median of the rounds")
+        ax.set_title(f"TTFT: recompute vs. prefix hits ({model})")
+        ax.grid(alpha=0.3)
+        fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+        fig.tight_layout(rect=(0, 0.16, 1, 1))
+        figs.save(fig, "e2e_ttft.png", layout=False)
     if data["multi_turn"]:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
         regimes = list(dict.fromkeys(r["regime"] for r in data["multi_turn"]))
         cases = list(dict.fromkeys((r["case"], r.get("design", "")) for r in data["multi_turn"]))
         x = np.arange(len(regimes))
@@ -247,12 +257,15 @@ def plot(data: dict, folder: str) -> list[str]:
         for ax, yl in zip(axes, ("tokens/s (prompt + output)", "mean TTFT (ms)")):
             ax.set_xticks(x + w * (len(cases) - 1) / 2, regimes)
             ax.set_ylabel(yl)
-            ax.legend(fontsize=8)
-        axes[0].set_title("multi-turn throughput")
+            ax.set_ylim(bottom=0)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].set_title(f"multi-turn throughput ({model})")
         axes[1].set_title("multi-turn TTFT")
-        figs.save(fig, "e2e_multi_turn.png")
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(4, len(cases)), fontsize=8)
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
+        figs.save(fig, "e2e_multi_turn.png", layout=False)
     if data.get("no_reuse"):
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(8, 5))
         wls = list(dict.fromkeys(r["workload"] for r in data["no_reuse"]))
         cases = list(dict.fromkeys((r["case"], r["design"]) for r in data["no_reuse"]))
         x = np.arange(len(wls))
@@ -260,10 +273,14 @@ def plot(data: dict, folder: str) -> list[str]:
         for k, key in enumerate(cases):
             by = {r["workload"]: r for r in data["no_reuse"] if (r["case"], r["design"]) == key}
             ax.bar(x + k * w, [by[g]["x_vllm"] for g in wls], w, label=_label(*key))
-        ax.axhline(GOALS["no_reuse"]["limit"], color="k", linestyle="--", linewidth=1, label="goal")
+        ax.axhline(GOALS["no_reuse"]["limit"], color="k", linestyle="--", linewidth=1,
+                   label=f"goal: {GOALS['no_reuse']['limit']:g} of vLLM's own")
         ax.set_xticks(x + w * (len(cases) - 1) / 2, wls)
-        ax.set_ylabel("tokens/s / vLLM's (no connector)")
-        ax.set_title("no-reuse tax")
-        ax.legend(fontsize=8)
-        figs.save(fig, "e2e_no_reuse.png")
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("tokens/s / vLLM's own (no connector)")
+        ax.set_title(f"no-reuse tax ({model})")
+        ax.grid(axis="y", alpha=0.3)
+        fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=min(4, len(cases) + 1), fontsize=8)
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
+        figs.save(fig, "e2e_no_reuse.png", layout=False)
     return figs.paths
