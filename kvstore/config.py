@@ -102,6 +102,7 @@ class NvmeConfig(_Sized):
     write_mode: str = _f("write_back", F.choice, choices=WRITE_MODES)
     io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
     header: str = _f("auto", F.choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
+    engine: Any = _f("auto", F.choice, choices=("auto", "io_uring", "threads", "off", False))  # batched native block I/O (kvstore/tiers/nvme/blockio.py): auto = io_uring, else its thread pool; off (YAML reads off as False)
     admit_after: int = _f(0, F.integer, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
 
 
