@@ -149,6 +149,8 @@ def run_reference(model: str, store: str, names: list[str]) -> dict:
     ref: dict = {}
     try:
         for i, name in enumerate(FAULTS):
+            if name not in names:
+                continue
             w = workload(i)
             prompts = [w["system"] + w["user"][0][s] for s in range(3)]
             turns = []
@@ -166,6 +168,26 @@ def run_reference(model: str, store: str, names: list[str]) -> dict:
 
 HEADROOM = 32
 DRAM_GB = (80 + HEADROOM) * 128 * 1024 / 2 ** 30  # 80 blocks of the tiny model's 128 KiB, + headroom
+
+
+def block_keys(e: "Engine", mp: bool, root: bytes):
+    """The keys a prompt's blocks are stored under: the chain keys, or with a hybrid model (in
+    vLLM's in-process mode, where its KV cache groups can be read) every group's."""
+    from kvstore.keys import chain_keys
+
+    groups = None
+    if not mp:
+        from kvstore.connectors.vllm.model import kv_groups
+
+        c = e.llm.llm_engine.engine_core.engine_core
+        groups, _ = kv_groups(c.vllm_config, c.scheduler.kv_cache_config)
+
+    def keys(p: list[int]) -> list[bytes]:
+        base = chain_keys(root, p, BS)
+        if groups is None or groups.plain:
+            return base
+        return [k for g in range(len(groups)) for k in groups.keys(g, base)]
+    return keys
 
 
 def set_failpoints(ctl: str, spec: str) -> None:
@@ -216,8 +238,7 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
         m0 = e.metrics()
         ident = store_identity(m0)
         assert ident is not None, "the store's metrics are not served"
-        root = ident[0]
-        from kvstore.keys import chain_keys
+        keys_of = block_keys(e, mp, ident[0])
 
         for name in names:  # 1. fill
             turn0 = ref[name][0]
@@ -228,8 +249,7 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
         for name in names:
             f, r = FAULTS[name], res["faults"][name]
             turns = ref[name]
-            keys = sorted({k for p in turns[0]["prompts"] + turns[1]["prompts"]
-                           for k in chain_keys(root, p, BS)})
+            keys = sorted({k for p in turns[0]["prompts"] + turns[1]["prompts"] for k in keys_of(p)})
             # the fill's blocks are files before they are damaged: no demotion still holds one in DRAM
             # (under load, write-backs lag; a block still in its slot was served from DRAM, and its
             # damaged file met first by the heal request)
@@ -320,7 +340,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.reference:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        data = run_reference(a.model, a.store, list(FAULTS))
+        data = run_reference(a.model, a.store, [x for x in a.only.split(",") if x] or list(FAULTS))
     else:
         ctl = os.environ.get("KVSTORE_FAILPOINTS", "")
         assert ctl.startswith("@"), "run with KVSTORE_FAILPOINTS=@<control file> (see kvstore.failpoints)"

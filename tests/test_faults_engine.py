@@ -93,3 +93,35 @@ def test_fault_matrix(tiny_model, reference, tmp_path, dram, mp):
         if name != "none":  # the fault happened and was met: more recompute, a counted error or bad file
             assert (r["tokens_recomputed"] > control["tokens_recomputed"] or r["store_errors"] > 0
                     or r["corrupt_files"] > 0), (name, r, control)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from kvstore.bench.tiny_model import build_tiny_gemma3
+
+    return build_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), window=64)
+
+
+def test_fault_matrix_on_a_hybrid_model(gemma3, tmp_path):
+    """A Gemma-3 style model (a sliding-window group beside a full-attention group, issue 31):
+    damaged payloads and deleted files of either group, met by asynchronous all-or-nothing loads
+    reported per request: 0 wrong outputs, and the cache heals."""
+    only = "none,payload,deleted"
+    ref_dir = tmp_path / "reference"
+    _run(["--reference", "--only", only, "--model", gemma3, "--store", str(ref_dir / "store"),
+          "--out", str(ref_dir / "ref.json")])
+    ctl = tmp_path / "failpoints"
+    ctl.write_text("")
+    res = _run(["--model", gemma3, "--store", str(tmp_path / "store"), "--ref", str(ref_dir / "ref.json"),
+                "--ref-store", str(ref_dir / "store"), "--dram", "0", "--only", only, "--out",
+                str(tmp_path / "res.json")], env={"KVSTORE_FAILPOINTS": f"@{ctl}"})
+    print(json.dumps(res, indent=1))
+    faults = res["faults"]
+    assert set(faults) == {"none", "payload", "deleted"}
+    assert res["corrupt_served"] == 0 and res["poisoned_stores"] == 0 and res["blocks_compared"] >= 60
+    for name, r in faults.items():
+        assert r["fill_identical"] and r["wrong_outputs"] == 0, (name, r)
+        assert r["healed"], (name, r["cached_tokens"], r["follow_up_unsupplied"], r["heal_unsupplied"], r)
+    assert faults["payload"]["files_damaged"] > 0 and faults["payload"]["corrupt_files"] > 0, faults["payload"]
+    for name in ("payload", "deleted"):  # met: a whole request recomputed, more than the control
+        assert faults[name]["tokens_recomputed"] > faults["none"]["tokens_recomputed"], faults
