@@ -20,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.store.metrics import KINDS, TIERS
 
 HIT_RATE_MEANS = "served / (prompt - engine-local hits)"
+HELD_NOT_SERVED = ("kvstore has these blocks, but vLLM's own prefix cache answered first: to see kvstore serve "
+                   "them, send the prompt again after a restart, or after POST /reset_prefix_cache "
+                   "(VLLM_SERVER_DEV_MODE=1)")
 
 
 def _key(name: str, labels: dict) -> tuple:
@@ -133,6 +136,8 @@ def render_engine(e: dict) -> list[str]:
     if held:
         lines.append("held by kvstore but already in the engine's prefix cache (not hits): "
                      + ", ".join(f"{t} {n}" for t, n in e["held_tokens"].items() if n))
+        if not sum(e["served_tokens"].values()):
+            lines.append(f"  ({HELD_NOT_SERVED})")
     if e["unsupplied_tokens"]:
         lines.append("computed by the engine (tokens), by why kvstore could not supply them:")
         for k, v in e["unsupplied_tokens"].items():
