@@ -97,12 +97,28 @@ def test_gemma3_sliding_window_and_full_attention(gemma3, tmp_path):
     with Engine(gemma3, store) as e:  # a restart: an empty DRAM tier, the blocks in files
         out, cached = e.generate(prompts)
         assert out == ref and cached == [288, 320, 256] and loaded(e.shared, "nvme") == 288 + 320 + 256
-    # vLLM's multiprocess executor: the worker (and the store) in another process, over the RPC socket
-    r = _drive({"model": gemma3, "store": store, "prompts": prompts + [shared + prompt(90, 5)], "rounds": 2,
-                "mp": True, "max_tokens": 16})
-    assert [x["tokens"][:3] for x in r["rounds"]] == [ref, ref]
-    assert r["rounds"][0]["cached"] == [288, 320, 256, 0]  # the new prompt meets the shared prefix's junction
-    assert r["rounds"][1]["cached"] == [288, 320, 256, 288]
+        # a prompt sharing 6 blocks with two others: their window there was never stored (a miss);
+        # it is stored now, at the junction its lookup found, and a third such prompt hits there
+        more, third = shared + prompt(90, 5), shared + prompt(70, 8)
+        out, cached = e.generate(prompts + [more])
+        assert out[:3] == ref and cached == [288, 320, 256, 0]
+        out, cached = e.generate(prompts + [more, third])
+        assert out[:3] == ref and cached == [288, 320, 256, 288, 192]
+
+
+def test_tensor_parallel_two_ranks(gemma3, tmp_path):
+    """TP=2 (vLLM's CPU backend runs it in its multiprocess executor, one worker process per rank,
+    about 45 s here): each rank's store in its own namespace (the rank is in its fingerprint), the
+    scheduler's lookups over the RPC socket to both ranks (kvstore.offload.ranks), each rank loading
+    its own half of the KV heads; outputs equal to the cold run's."""
+    store = tmp_path / "s"
+    prompts = [prompt(300, 6), prompt(200, 7)]
+    r = _drive({"model": gemma3, "store": str(store), "prompts": prompts, "rounds": 2, "tp": 2, "max_tokens": 8},
+               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    cold, warm = r["rounds"]
+    assert cold["cached"] == [0, 0] and warm["cached"] == [288, 192]
+    assert warm["tokens"] == cold["tokens"]
+    assert len(list(store.glob("kvstore-*"))) == 2  # each rank wrote its own blocks down at close
 
 
 def test_qwen3_next_gated_deltanet_and_full_attention(qwen3_next, tmp_path):

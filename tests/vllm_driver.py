@@ -3,7 +3,8 @@
     python tests/vllm_driver.py '{"model": DIR, "store": DIR, "prompts": [[ids...]], "rounds": 2}'
 
 Optional keys: "mp" (vLLM's multiprocess executor: the worker, and the store, in another process
-than the scheduler, which reaches it over the RPC socket), "dtype", "block_size", "max_tokens".
+than the scheduler, which reaches it over the RPC socket), "tp" (tensor-parallel ranks; their
+workers are always processes of their own), "dtype", "block_size", "max_tokens".
 
 Each round generates every prompt greedily, then resets vLLM's own prefix cache, so a hit in a
 later round can only come from kvstore. The last line printed is ``RESULT <json>``.
@@ -31,7 +32,8 @@ def main() -> None:
     eng = Engine(job["model"], block_size=job.get("block_size", 32), max_len=2048,
                  kv_transfer=kv_transfer(extra, module_path="kvstore.connectors.vllm.connector" if job.get("module_path")
                                          else None),
-                 mp=bool(job.get("mp")), **({"dtype": job["dtype"]} if job.get("dtype") else {}))
+                 mp=bool(job.get("mp")), **({"dtype": job["dtype"]} if job.get("dtype") else {}),
+                 **({"tensor_parallel_size": job["tp"]} if job.get("tp") else {}))
     rounds = []
     for _ in range(job.get("rounds", 1)):
         tokens, cached = eng.generate(job["prompts"], job.get("max_tokens", 16), reset=True)
