@@ -381,3 +381,39 @@ def test_tensor_parallel_ranks_answer_what_every_rank_holds(rigs):
                                                                                     r.caches[0][1][10])
         assert not r.shared.handles  # its pin was taken and ended
     assert not torch.equal(r0.caches[1][0][41], r1.caches[1][0][41])  # each rank got its own bytes
+
+
+def test_what_kvstore_makes_of_vllms_groups():
+    """Every group kind vLLM builds: served with its rule, or the reason the model is not (logged
+    once by the connector, which then stores nothing): never an error at start-up."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec,
+                                            KVCacheConfig, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    from kvstore.connectors.vllm.model import kv_groups
+
+    attn = dict(num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+    def groups(*specs):
+        cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+        return kv_groups(None, cfg)
+
+    g, why = groups(SlidingWindowSpec(32, sliding_window=64, extra_retained_tokens=4, **attn),
+                    FullAttentionSpec(32, **attn))
+    assert why is None and g.describe() == (("sliding_window", 68, 1), ("full_attention", 0, 1))
+    assert [x.first_needed(10) for x in g.groups] == [(320 - 68 + 1) // 32, 0]
+    g, why = groups(ChunkedLocalAttentionSpec(32, attention_chunk_size=128, **attn), FullAttentionSpec(32, **attn))
+    assert why is None and g.groups[0].first_needed(10) == 8  # token 320 is in the chunk of 256..383
+    state = dict(shapes=((3, 512), (2, 128, 128)), dtypes=(torch.bfloat16, torch.bfloat16))
+    g, why = groups(MambaSpec(288, mamba_cache_mode="align", **state), FullAttentionSpec(288, **attn))
+    assert why is None and [x.role for x in g.groups] == ["state", "full"]
+    assert groups(FullAttentionSpec(32, **attn))[0].plain
+    for specs, words in [((MambaSpec(288, mamba_cache_mode="none", **state), FullAttentionSpec(288, **attn)),
+                          "without prefix caching"),
+                         ((MLAAttentionSpec(16, num_kv_heads=1, head_size=576, dtype=torch.float32),), "MLA"),
+                         ((CrossAttentionSpec(32, **attn), FullAttentionSpec(32, **attn)), "cross_attention"),
+                         ((), "at least one")]:
+        g, why = groups(*specs)
+        assert g is None and words in why, why

@@ -135,7 +135,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if self.off not in _logged_off:
                 log.warning("kvstore: %s; the connector stores nothing for this model", self.off)
                 _logged_off.add(self.off)
-            self.block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+            groups = kv_cache_config.kv_cache_groups  # none: an attention-free model
+            self.block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
             return
         if len(self.groups) > 1 or not self.groups.plain:
             _check_codecs(self.config, self.groups)
