@@ -61,8 +61,9 @@ public:
                                             const std::vector<std::string>& tmp_names, nb::list payloads,
                                             const std::vector<int64_t>& payload_lens, nb::list headers,
                                             const std::vector<double>& mtimes, bool inline_hdr, bool o_direct,
-                                            bool hash) {
+                                            bool hash, const std::vector<bool>& reuse) {
         const size_t n = names.size();
+        if (!reuse.empty()) same_len(n, reuse.size(), "names and reuse");
         same_len(n, tmp_names.size(), "names and tmp_names");
         same_len(n, nb::len(payloads), "names and payloads");
         same_len(n, payload_lens.size(), "names and payload_lens");
@@ -83,6 +84,7 @@ public:
             j.hdr = views.get(headers[i], true, inline_hdr ? HEADER_BYTES : HEADER_CORE, "header",
                               o_direct && inline_hdr);
             j.mtime = mtimes[i];
+            j.reuse = !reuse.empty() && reuse[i];
         }
         Ctx c;
         c.root_fd = root_fd;
@@ -185,7 +187,8 @@ NB_MODULE(_blockio, m) {
         .def_prop_ro("reason", &Engine::reason)
         .def_prop_ro("depth", &Engine::depth)
         .def("write", &Engine::write, "root_fd"_a, "tmp_fd"_a, "names"_a, "tmp_names"_a, "payloads"_a,
-             "payload_lens"_a, "headers"_a, "mtimes"_a, "inline"_a, "o_direct"_a, "hash"_a = true)
+             "payload_lens"_a, "headers"_a, "mtimes"_a, "inline"_a, "o_direct"_a, "hash"_a = true,
+             "reuse"_a = std::vector<bool>())
         .def("read", &Engine::read, "root_fd"_a, "names"_a, "dsts"_a, "headers"_a, "mtimes"_a, "inline"_a,
              "o_direct"_a, "hash"_a = true)
         .def("close", &Engine::close);

@@ -2,7 +2,9 @@
 // backends (the io_uring ring, blockio_uring.cpp; the pwritev/preadv thread pool,
 // blockio_threads.cpp). One block is one file, exactly as kvstore/tiers/nvme.py writes it:
 //
-//   write: openat(tmp_dir, tmp, O_CREAT|O_EXCL|O_NOFOLLOW[|O_DIRECT], 0600) -> the payload
+//   write: openat(tmp_dir, tmp, O_CREAT|O_EXCL|O_NOFOLLOW[|O_DIRECT], 0600), or a pooled file
+//          opened O_NOFOLLOW|O_NONBLOCK and checked (regular, ours, 0600, one link, the block
+//          file's size: anything else is a failure, the wrapper removes it) -> the payload
 //          (inline layout: [4 KiB header][payload]) -> xxh3-64 of the payload into the header
 //          -> xattr layout: fsetxattr("user.kvstore.hdr", the header's 88 bytes) -> futimens(mtime)
 //          -> close -> renameat(tmp_dir, tmp, leaf, name) (the leaf folders opened one component at
@@ -63,6 +65,8 @@ struct WriteJob {
     size_t payload_io = 0;           // bytes written (padded to 4 KiB)
     double mtime = 0;
     uint64_t checksum = 0;
+    bool reuse = false;              // tmp_name is a pooled file (kvstore/tiers/nvme/pool.py): overwritten
+                                     // in place if it is a fit (regular, ours, 0600, one link, the size)
     // out
     int fd = -1;
     int err = 0;                     // 0: stored; else errno

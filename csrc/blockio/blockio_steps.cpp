@@ -113,10 +113,26 @@ bool write_open(WriteJob& j, const Ctx& c) {
         write_fail(j, c, EINVAL, 2);
         return false;
     }
-    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | (c.o_direct ? O_DIRECT : 0);
-    j.fd = openat(c.tmp_fd, j.tmp_name, flags, 0600);
+    const int direct = c.o_direct ? O_DIRECT : 0;
+    if (!j.reuse) {
+        j.fd = openat(c.tmp_fd, j.tmp_name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | direct, 0600);
+        if (j.fd < 0) {
+            write_fail(j, c, errno, 2);
+            return false;
+        }
+        return true;
+    }
+    // a pooled file, overwritten in place: only a fit (pool.py's FilePool.open checks the same)
+    j.fd = openat(c.tmp_fd, j.tmp_name, O_WRONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | direct);
     if (j.fd < 0) {
         write_fail(j, c, errno, 2);
+        return false;
+    }
+    struct stat st;
+    const size_t size = (c.inline_hdr ? HEADER_BYTES : 0) + j.payload_io;
+    if (fstat(j.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 07777) != 0600 ||
+        st.st_nlink != 1 || size_t(st.st_size) != size) {
+        write_fail(j, c, EEXIST, 2);  // not written through; the wrapper removes it
         return false;
     }
     return true;

@@ -31,6 +31,7 @@ from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
 from kvstore.tiers.index import Entry
 from kvstore.tiers.dram.pool import alloc_aligned, as_bytes, is_aligned
+from kvstore.tiers.nvme.folder import discard
 
 try:
     from kvstore import _blockio as _native  # type: ignore[attr-defined]
@@ -140,22 +141,35 @@ class BlockIO:
         hdrs = self._arena.rows(len(take))
         now = time.time()
         hash_here = checksum_native()  # else the header is whole here (a build without libxxhash)
-        names, tmps, mtimes = [], [], []
+        names, tmps, mtimes, reuse = [], [], [], []
+        pool = tier.pool if tier.pool.file_bytes == tier.file_bytes else None
         for k, i in enumerate(take):
             key = entries[i].key
             chk = 0 if hash_here else ff.checksum(payloads[k][: tier.block_bytes])
             ff.pack_header(ff.Header(tier.codec_id, tier.block_bytes, chk, now, tier.namespace, key), hdrs[k])
             names.append(tier._name(key))
-            tmps.append(f"{key.hex()}.{os.getpid()}.{next(tier._seq)}.tmp")
+            pooled = pool.take() if pool is not None else None  # a recycled file, overwritten in place
+            reuse.append(pooled is not None)
+            tmps.append(pooled or f"{key.hex()}.{os.getpid()}.{next(tier._seq)}.tmp")
             mtimes.append(float(entries[i].last_access))
-        res = self._run(tier, "write", tier._root_fd, tier._tmp_fd, names, tmps, payloads,
-                        [tier.block_bytes] * len(take), [hdrs[k] for k in range(len(take))], mtimes,
-                        tier.header == "inline", bool(tier.o_direct), hash_here)
-        for i, p, (err, _stage) in zip(take, payloads, res):
+        try:
+            res = self._run(tier, "write", tier._root_fd, tier._tmp_fd, names, tmps, payloads,
+                            [tier.block_bytes] * len(take), [hdrs[k] for k in range(len(take))], mtimes,
+                            tier.header == "inline", bool(tier.o_direct), hash_here, reuse)
+        except BaseException:
+            for t, r in zip(tmps, reuse):  # taken from the pool, never written: removed (a scan would)
+                if r:
+                    discard(tier._tmp_fd, t, whole=True)
+            raise
+        for k, (i, (err, stage)) in enumerate(zip(take, res)):
+            if err and reuse[k] and stage <= 2:  # a pooled file that is not a fit: removed, never written through
+                tier.pool.unfit(tmps[k])
+            elif not err and reuse[k]:
+                tier.pool.reused()
             # a failure (full disk, a folder planted in the way, another user's folder...) is the
             # tier's to handle: its own write runs once more, counts and degrades by its rules
             oks[i] = True if err == 0 else tier.write(entries[i], srcs[i])
-        self._count("writes", len(entries), sum(1 for _, _, (err, _s) in zip(take, payloads, res) if err == 0))
+        self._count("writes", len(entries), sum(1 for err, _s in res if err == 0))
         return oks
 
     # -- read -------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from kvstore.tiers.dram.pool import alloc_aligned, as_bytes as _as_bytes, is_ali
 from kvstore.tiers.base import Reservation
 from kvstore.tiers.local import LocalTier
 from kvstore.tiers.nvme.folder import (DIR_FLAGS, DISCARD_PREFIX, O_CLOEXEC, O_DIRECT, O_NOFOLLOW, O_NONBLOCK, PROBE_PREFIX, NotOurs, check_folder, discard, free_bytes, mkdir_private, open_subdir, pid_alive, probe_o_direct, probe_writable, probe_xattr)
+from kvstore.tiers.nvme.pool import FilePool, default_max_files
 
 log = logging.getLogger(__name__)
 _HEX = frozenset("0123456789abcdef")
@@ -62,7 +63,7 @@ class NvmeTier(LocalTier):
     def __init__(self, *, path: str | os.PathLike, namespace: bytes, capacity_bytes: int, ttl_s: float | None,
                  policy: str, block_bytes: int, codec_id: int = 0, o_direct: bool | str = "auto",
                  header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True,
-                 codec: Codec | None = None):
+                 codec: Codec | None = None, pool_files: int | None = None):
         super().__init__(capacity_bytes=capacity_bytes, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes,
                          clock=clock, entry_bytes=ff.file_bytes(block_bytes))
         self.namespace = bytes(namespace)
@@ -109,6 +110,10 @@ class NvmeTier(LocalTier):
         self.fault: str | None = None  # DISK_FULL or READ_ONLY while the capacity is lowered (_lower_capacity)
         self._probe_at = float("inf")
         self._unremoved: set[bytes] = set()  # files a read-only file system kept (removed once writable)
+        # evicted files kept for reuse (fixed-size files only; :mod:`.pool`)
+        if pool_files is None:
+            pool_files = default_max_files(self.file_bytes, capacity_bytes)
+        self.pool = FilePool(self._tmp_fd, self.file_bytes, pool_files if self.fixed_size else 0)
         if scan:
             self.scan()
 
@@ -184,12 +189,12 @@ class NvmeTier(LocalTier):
         if self.header == "inline":
             ff.pack_header(header, hdr)
         name = self._name(entry.key)
-        tmp = f"{entry.key.hex()}.{os.getpid()}.{next(self._seq)}.tmp"
+        tmp = ""
         leaf = -1
         try:
             failpoints.fire("nvme.write", key=entry.key, path=name)
             leaf = self._leaf_fd(entry.key, create=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600, dir_fd=self._tmp_fd)
+            fd, tmp = self._open_tmp(entry.key, fbytes)
             try:
                 if self.header == "xattr":
                     _pwrite_all(fd, [payload], fbytes)
@@ -210,10 +215,11 @@ class NvmeTier(LocalTier):
             return True
         except OSError as e:
             self.count("write_failed")
-            try:
-                os.unlink(tmp, dir_fd=self._tmp_fd)
-            except OSError:
-                pass
+            if tmp:
+                try:
+                    os.unlink(tmp, dir_fd=self._tmp_fd)
+                except OSError:
+                    pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._lower_capacity(entry, DISK_FULL)
             elif e.errno == errno.EROFS:
@@ -224,6 +230,17 @@ class NvmeTier(LocalTier):
         finally:
             if leaf >= 0:
                 os.close(leaf)
+
+    def _open_tmp(self, key: bytes, fbytes: int) -> tuple[int, str]:
+        """A file in ``tmp/`` to write a block file of ``fbytes`` into: a pooled one (overwritten in
+        place: its blocks are allocated already, see :mod:`.pool`), else a new temporary file."""
+        if fbytes == self.pool.file_bytes:
+            while (pooled := self.pool.take()) is not None:
+                fd = self.pool.open(pooled, O_DIRECT if self.o_direct else 0)
+                if fd >= 0:
+                    return fd, pooled
+        tmp = f"{key.hex()}.{os.getpid()}.{next(self._seq)}.tmp"
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600, dir_fd=self._tmp_fd), tmp
 
     # -- a full disk or a read-only file system: a smaller cache, probed again later ----------------
     def _lower_capacity(self, failed: Entry | None, why: str) -> None:
@@ -240,6 +257,8 @@ class NvmeTier(LocalTier):
                             "disk full" if why == DISK_FULL else "read-only file system", self.index.capacity,
                             new_cap, PROBE_AFTER_S)
             self.index.capacity = new_cap
+        if why == DISK_FULL:
+            self.pool.drain()  # the pooled files' space goes back to the file system
         self.count(why)
 
     def _probe(self) -> None:
@@ -331,11 +350,13 @@ class NvmeTier(LocalTier):
                     os.utime(fd, (t, t))
                 except OSError:
                     pass
-            except ff.BadBlockFile as e:
-                self._bad(leaf, name, e.reason, str(e))
-                return False
-            except OSError as e:
-                self._bad(leaf, name, "read_failed", str(e))
+            except (ff.BadBlockFile, OSError) as e:
+                if _moved(fd, leaf, name):  # another process evicted (and reused) it as we read: a miss
+                    self.count("missing")
+                elif isinstance(e, ff.BadBlockFile):
+                    self._bad(leaf, name, e.reason, str(e))
+                else:
+                    self._bad(leaf, name, "read_failed", str(e))
                 return False
             finally:
                 os.close(fd)
@@ -359,7 +380,8 @@ class NvmeTier(LocalTier):
                 log.warning("kvstore nvme: could not remove %s: %s", entry.key.hex(), e)
                 return
             try:
-                os.unlink(self._name(entry.key), dir_fd=leaf)
+                if not self.pool.put(leaf, self._name(entry.key)):  # full: removed, as before recycling
+                    os.unlink(self._name(entry.key), dir_fd=leaf)
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -373,6 +395,9 @@ class NvmeTier(LocalTier):
                 os.close(leaf)
 
     def close(self) -> None:
+        pool = getattr(self, "pool", None)
+        if pool is not None and self._tmp_fd >= 0:
+            pool.drain()  # no space held past the capacity while closed
         for attr in ("_tmp_fd", "_root_fd"):
             fd = getattr(self, attr, -1)
             if fd >= 0:
@@ -445,7 +470,8 @@ class NvmeTier(LocalTier):
         self.count("modes_fixed", len(fixed))
 
     def _scan_tmp(self) -> None:
-        """Remove what killed writers left in ``tmp/`` (whatever it is: nothing is followed)."""
+        """Remove what killed writers left in ``tmp/`` (whatever it is: nothing is followed), the
+        pooled files of a process gone included (``pool.<pid>.<n>``, :mod:`.pool`)."""
         me = os.getpid()
         for f in os.scandir(self._tmp_fd):
             parts = f.name.split(".")
@@ -587,6 +613,19 @@ class NvmeTier(LocalTier):
             self._bad_count("foreign_owner" if isinstance(e, NotOurs) else "not_a_folder", f"{name}: {e}")
             discard(parent, name, whole=False)
             return open_subdir(parent, name, create)
+
+
+def _moved(fd: int, dir_fd: int, name: str) -> bool:
+    """Is the file open as ``fd`` no longer the one at ``dir_fd/name`` (renamed away, replaced)?
+    A file that failed a read is then not removed: the name is another file's, or nobody's."""
+    try:
+        a = os.fstat(fd)
+        b = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino)
 
 
 def _pwrite_all(fd: int, bufs: list, total: int) -> None:
