@@ -1,5 +1,5 @@
 // kvstore._blockio: the nanobind face of the batched block-file engine (blockio.hpp). The Python
-// wrapper is kvstore/tiers/blockio.py; it builds the headers, checks what comes back, and owns
+// wrapper is kvstore/tiers/nvme/blockio.py; it builds the headers, checks what comes back, and owns
 // every policy (what is a miss, what is removed, what is counted).
 #include "blockio.hpp"
 

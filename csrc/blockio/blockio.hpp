@@ -1,6 +1,6 @@
 // Batched block-file I/O for the NVMe tier (issue 34): the per-block steps shared by both
 // backends (the io_uring ring, blockio_uring.cpp; the pwritev/preadv thread pool,
-// blockio_threads.cpp). One block is one file, exactly as kvstore/tiers/nvme.py writes it:
+// blockio_threads.cpp). One block is one file, exactly as kvstore/tiers/nvme/tier.py writes it:
 //
 //   write: openat(tmp_dir, tmp, O_CREAT|O_EXCL|O_NOFOLLOW[|O_DIRECT], 0600), or a pooled file
 //          opened O_NOFOLLOW|O_NONBLOCK and checked (regular, ours, 0600, one link, the block
@@ -18,7 +18,7 @@
 // Only the common case is served here: folders and files of this user with modes 0700 / 0600, a
 // whole file, a header and checksum that pass. Anything else (a missing file too) is not a
 // verdict: the Python wrapper sends that block through the tier's own write or read, which
-// counts, fixes or removes it by the tier's rules (kvstore/tiers/nvme.py, nvmescan.py).
+// counts, fixes or removes it by the tier's rules (kvstore/tiers/nvme/tier.py).
 //
 // The file format is kvstore/fileformat.py: the engine knows two offsets of the header (the
 // payload checksum at 32, the header checksum over [0, 80) at 80) and nothing else of it.
@@ -36,7 +36,7 @@ constexpr size_t HEADER_CORE = 88;     // fileformat.HEADER_CORE: what an xattr 
 constexpr size_t OFF_PAYLOAD_LEN = 24, OFF_CHECKSUM = 32, OFF_HEADER_SUM = 80;
 constexpr const char* XATTR = "user.kvstore.hdr";
 
-// how a read ended (Python maps each to nvme.py's counted reason)
+// how a read ended (Python maps each to the tier's counted reason)
 enum ReadStatus : int {
     R_OK = 0,         // read whole; checksum computed over `hashed` payload bytes (-1: not hashed)
     R_MISSING = 1,    // leaf folder or file absent (ENOENT)

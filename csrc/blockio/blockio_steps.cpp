@@ -159,7 +159,7 @@ void write_finish(WriteJob& j, const Ctx& c, long res) {
     if (res < 0) return write_fail(j, c, int(-res), 3);
     const size_t hdr = c.inline_hdr ? HEADER_BYTES : 0, total = hdr + j.payload_io;
     size_t done = size_t(res);
-    while (done < total) {  // a short write (rare): the rest with plain writes, as nvme.py does
+    while (done < total) {  // a short write (rare): the rest with plain writes, as the tier does
         const uint8_t* p = done < hdr ? j.hdr + done : j.payload + (done - hdr);
         const size_t len = done < hdr ? hdr - done : total - done;
         const long n = pwrite(j.fd, p, len, off_t(done));

@@ -4,8 +4,9 @@ place in the store that reads or writes a medium.
 A :class:`kvstore.store.chain.Move` names a source tier (or the caller's staged buffers) and a
 destination tier; it is routed by the pair's media, as vLLM's offloading routes transfers by
 (source medium, destination medium): a tier whose blocks are files (``fan_out``) gets a job per
-block, spread over the pool (the disk wants depth); a batched medium (Redis pipelines) one call
-for the move; memory is copied in place. Background moves (demotions, write-through copies,
+part of the move, one part per thread of the pool (the disk wants depth; each part one
+``write_many``/``read_many`` call: a batch for the NVMe engine); a batched medium (Redis
+pipelines) one call for the move; memory is copied in place. Background moves (demotions, write-through copies,
 files of victims) never run on the caller's thread; the caller's own writes and reads (a store
 into a tier without slots, a load's reads) run on the pool while the caller waits.
 
@@ -41,6 +42,7 @@ class Moves:
         self.block_bytes = int(block_bytes)
         # background writes (demotions, write-through) and batched reads; a replay may pass its own
         self._io = executor or ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvstore-io")
+        self.io_threads = max(1, int(io_threads))
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-prefetch")
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
@@ -117,35 +119,43 @@ class Moves:
                 self._copy(m)
         return n
 
+    def _parts(self, n: int) -> list[range]:
+        """Blocks of a move into (or out of) a ``fan_out`` tier, cut into one part per I/O thread
+        (interleaved): each part one job, one ``write_many``/``read_many`` call (a batch for the
+        NVMe engine; without it, the tier's own write per block)."""
+        k = max(1, min(n, self.io_threads))
+        return [range(i, n, k) for i in range(k)]
+
     def _demote(self, m: Move) -> int:
-        """Victims written down from their slots: a job per block (the slot freed when it is done),
-        or, for a write-back of the caller's (``background`` False), all of them now."""
-        jobs = [lambda p=p: self._write_down(m, p) for p in m.pairs]
+        """Victims written down from their slots: a job per part (each slot freed when its part is
+        done), or, for a write-back of the caller's (``background`` False), all of them now."""
+        jobs = [lambda p=[m.pairs[i] for i in part]: self._write_down(m, p) for part in self._parts(len(m.pairs))]
         if not m.background:
             return sum(self._map(jobs))
         for job in jobs:
             self.submit(job)
         return 0
 
-    def _write_down(self, m: Move, pair: tuple[Entry, Entry]) -> bool:
-        e, ne = pair
-        ok = False
+    def _write_down(self, m: Move, pairs: list[tuple[Entry, Entry]]) -> int:
+        oks = [False] * len(pairs)
         try:
-            failpoints.fire("demote.write", key=e.key)
-            ok = m.dst.write(ne, m.src.slot_view(e))
-        except Exception as ex:  # never lost silently: counted below as a failed write
-            log.warning("kvstore: writing %s down to %s failed: %s", e.key.hex(), m.dst.name, ex)
-        self.chain.demoted(Move(DEMOTE, m.src, m.dst, [pair], moving=m.moving), [ok])
-        if ok:
-            self.sink.moved(demoted=1)
-        self.sink.wrote(m.dst.name, int(ok), int(not ok))
-        return ok
+            for e, _ in pairs:
+                failpoints.fire("demote.write", key=e.key)
+            oks = [bool(x) for x in m.dst.write_many([ne for _, ne in pairs], [m.src.slot_view(e) for e, _ in pairs])]
+        except Exception as ex:  # never lost silently: counted below as failed writes
+            log.warning("kvstore: writing %d blocks down to %s failed: %s", len(pairs), m.dst.name, ex)
+        self.chain.demoted(Move(DEMOTE, m.src, m.dst, pairs, moving=m.moving), oks)
+        n = sum(oks)
+        if n:
+            self.sink.moved(demoted=n)
+        self.sink.wrote(m.dst.name, n, len(oks) - n)
+        return n
 
     def _copy(self, m: Move) -> None:
-        """Write-through: a job per block into files, one batch into a batched medium."""
+        """Write-through: a job per part into files, one batch into a batched medium."""
         if m.dst.fan_out:
-            for i in range(len(m.pairs)):
-                self.submit(self._copy_one, m, i)
+            for part in self._parts(len(m.pairs)):
+                self.submit(self._copy_part, m, list(part))
         elif m.pairs:
             self.submit(self._copy_batch, m)
 
@@ -159,19 +169,21 @@ class Moves:
             return None
         return m.src.slot_view(se) if m.dst.fan_out else m.src.view(se)
 
-    def _copy_one(self, m: Move, i: int) -> bool:
-        de = m.pairs[i][1]
-        ok = False
+    def _copy_part(self, m: Move, idx: list[int]) -> int:
+        oks = [False] * len(idx)
         try:
-            src = self._source(m, i) if de is not None else None
-            ok = src is not None and m.dst.write(de, src)
-        except Exception as ex:  # counted below as a failed write
-            log.warning("kvstore: copying %s to %s failed: %s", de.key.hex(), m.dst.name, ex)
+            srcs = [self._source(m, i) if m.pairs[i][1] is not None else None for i in idx]
+            go = [k for k, src in enumerate(srcs) if src is not None]
+            res = m.dst.write_many([m.pairs[idx[k]][1] for k in go], [srcs[k] for k in go])
+            for k, ok in zip(go, res):
+                oks[k] = bool(ok)
+        except Exception as ex:  # counted below as failed writes
+            log.warning("kvstore: copying %d blocks to %s failed: %s", len(idx), m.dst.name, ex)
         finally:
-            self.chain.copied(Move(COPY, m.src, m.dst, [m.pairs[i]]), [ok])
-        if de is not None:
-            self.sink.wrote(m.dst.name, int(ok), int(not ok))
-        return ok
+            self.chain.copied(Move(COPY, m.src, m.dst, [m.pairs[i] for i in idx]), oks)
+        n = sum(1 for i in idx if m.pairs[i][1] is not None)
+        self.sink.wrote(m.dst.name, sum(oks), n - sum(oks))
+        return sum(oks)
 
     def _copy_batch(self, m: Move) -> int:
         t0 = time.perf_counter()
@@ -193,7 +205,11 @@ class Moves:
         if not idx:
             return oks
         if t.fan_out:
-            res = self._map([lambda i=i: t.write(entries[i], views[i]) for i in idx])
+            parts = [[idx[k] for k in part] for part in self._parts(len(idx))]
+            done = self._map([lambda p=p: t.write_many([entries[i] for i in p], [views[i] for i in p])
+                              for p in parts])
+            got = {i: r for p, rs in zip(parts, done) for i, r in zip(p, rs)}
+            res = [got[i] for i in idx]
         else:
             res = t.write_many([entries[i] for i in idx], [views[i] for i in idx])
         out = list(oks)
@@ -207,5 +223,11 @@ class Moves:
     def read(self, t: Tier, entries: Sequence[Entry], dsts: Sequence[np.ndarray]) -> list[bool]:
         """Read pinned blocks of ``t`` into ``dsts`` while the caller waits."""
         if t.fan_out:
-            return [bool(r) for r in self._map([lambda e=e, d=d: t.read(e, d) for e, d in zip(entries, dsts)])]
+            parts = self._parts(len(entries))
+            done = self._map([lambda p=p: t.read_many([entries[i] for i in p], [dsts[i] for i in p]) for p in parts])
+            out = [False] * len(entries)
+            for p, rs in zip(parts, done):
+                for i, r in zip(p, rs):
+                    out[i] = bool(r)
+            return out
         return [bool(r) for r in t.read_many(entries, dsts)]

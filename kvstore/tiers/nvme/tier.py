@@ -24,7 +24,9 @@ Modes: this user's folders are set to 0700 and files readable by others to 0600 
 ``modes_fixed``); a file another user owns is never read (``foreign_owner``), nor is one that
 others could write (``loose_mode``: its bytes cannot be trusted), both dropped; another user's
 folder is removed or moved aside (``foreign_owner``). The batched native engine for the common
-case of reads and writes is :mod:`.blockio`.
+case of reads and writes is :mod:`.blockio` (``write_many``/``read_many``, ``tiers.nvme.engine``).
+An evicted file is not unlinked but recycled: renamed into a bounded pool in ``tmp/`` and
+overwritten in place by a later write, then renamed into place (:mod:`.pool`).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class NvmeTier(LocalTier):
     def __init__(self, *, path: str | os.PathLike, namespace: bytes, capacity_bytes: int, ttl_s: float | None,
                  policy: str, block_bytes: int, codec_id: int = 0, o_direct: bool | str = "auto",
                  header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True,
-                 codec: Codec | None = None, pool_files: int | None = None):
+                 codec: Codec | None = None, pool_files: int | None = None, engine: str = "off",
+                 engine_depth: int = 8):
         super().__init__(capacity_bytes=capacity_bytes, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes,
                          clock=clock, entry_bytes=ff.file_bytes(block_bytes))
         self.namespace = bytes(namespace)
@@ -114,6 +117,7 @@ class NvmeTier(LocalTier):
         if pool_files is None:
             pool_files = default_max_files(self.file_bytes, capacity_bytes)
         self.pool = FilePool(self._tmp_fd, self.file_bytes, pool_files if self.fixed_size else 0)
+        self.engine = _engine(engine, engine_depth)  # batches of the common case (write_many/read_many)
         if scan:
             self.scan()
 
@@ -241,6 +245,20 @@ class NvmeTier(LocalTier):
                     return fd, pooled
         tmp = f"{key.hex()}.{os.getpid()}.{next(self._seq)}.tmp"
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600, dir_fd=self._tmp_fd), tmp
+
+    def write_many(self, entries, srcs) -> list[bool]:
+        """:meth:`write` for each, through the batched native engine when it is on (:mod:`.blockio`:
+        the same files; what it does not take goes through :meth:`write`)."""
+        if self.engine is None or len(entries) < 2:
+            return [self.write(e, s) for e, s in zip(entries, srcs)]
+        return self.engine.write(self, entries, srcs)
+
+    def read_many(self, entries, outs) -> list[bool]:
+        """:meth:`read` for each, through the engine when it is on (what it does not find whole
+        and good goes through :meth:`read`, which decides)."""
+        if self.engine is None or len(entries) < 2:
+            return [self.read(e, o) for e, o in zip(entries, outs)]
+        return self.engine.read(self, entries, outs)
 
     # -- a full disk or a read-only file system: a smaller cache, probed again later ----------------
     def _lower_capacity(self, failed: Entry | None, why: str) -> None:
@@ -395,6 +413,9 @@ class NvmeTier(LocalTier):
                 os.close(leaf)
 
     def close(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.close()
         pool = getattr(self, "pool", None)
         if pool is not None and self._tmp_fd >= 0:
             pool.drain()  # no space held past the capacity while closed
@@ -613,6 +634,24 @@ class NvmeTier(LocalTier):
             self._bad_count("foreign_owner" if isinstance(e, NotOurs) else "not_a_folder", f"{name}: {e}")
             discard(parent, name, whole=False)
             return open_subdir(parent, name, create)
+
+
+def _engine(kind: str, depth: int):
+    """The batched engine ``kind`` (auto: io_uring, else its thread pool), or None: off, or not
+    built (one warning: the tier's own path serves every block)."""
+    if kind in ("off", False):  # (YAML reads an unquoted off as False)
+        return None
+    from kvstore.tiers.nvme import blockio
+
+    if not blockio.available():
+        if kind != "auto":
+            log.warning("kvstore nvme: engine %s asked for, but %s; blocks go one by one", kind, blockio.native_error())
+        return None
+    try:
+        return blockio.BlockIO(kind, depth)
+    except RuntimeError as e:  # io_uring asked for and refused here: its thread pool instead
+        log.warning("kvstore nvme: %s; the engine's thread pool runs instead", e)
+        return blockio.BlockIO("threads", depth)
 
 
 def _moved(fd: int, dir_fd: int, name: str) -> bool:
