@@ -93,10 +93,14 @@ def memcpy_rows_s(src: np.ndarray, dst: np.ndarray, threads: int = 1) -> float:
     return run_threads(work, _split(len(src), threads))
 
 
-def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1) -> tuple[float, float, bool]:
+def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1,
+                   overwrite: list | None = None) -> tuple[float, float, bool]:
     """O_DIRECT write then read of the same rows (one block per I/O) at queue depth ``qd``
     (``qd`` threads, interleaved rows of one fresh file). Rows must be page aligned and a multiple
-    of 4 KiB for O_DIRECT; otherwise buffered I/O with an fsync. Returns (write s, read s, direct)."""
+    of 4 KiB for O_DIRECT; otherwise buffered I/O with an fsync. Returns (write s, read s, direct).
+    ``overwrite``: a list that gets the seconds of a second write of the same rows over the
+    first, in place (blocks allocated and written already: what a recycled block file costs the
+    disk, kvstore/tiers/nvme/pool.py)."""
     n, bb = src.shape
     path = os.path.join(folder, f".kvstore-limit-rows-{os.getpid()}-{time.perf_counter_ns()}")
     direct = bool(_O_DIRECT) and bb % 4096 == 0 and src.ctypes.data % 4096 == 0 and dst.ctypes.data % 4096 == 0
@@ -116,6 +120,12 @@ def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1) -
         if not direct:
             os.fsync(fd)
         wt = time.perf_counter() - t
+        if overwrite is not None:
+            t = time.perf_counter()
+            run_threads(w, stripes)
+            if not direct:
+                os.fsync(fd)
+            overwrite.append(time.perf_counter() - t)
         os.close(fd)
         fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
 

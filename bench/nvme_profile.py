@@ -1,10 +1,12 @@
-"""Where the time goes per NVMe block today: the real ``NvmeTier.write``/``read`` driven through a
-store (``store.put``/``store.get``, its I/O pool) with every syscall and the checksum of
-kvstore/tiers/nvme.py and folder.py timed per thread (the modules' ``os`` and ``ff`` swapped for
-timing proxies for the run; nothing of the tier changes). Beside it, the same run's O_DIRECT
-limit (bench/limits.py: the same rows, one block per I/O, at the store's I/O parallelism).
+"""Where the time goes per NVMe block: the real ``NvmeTier.write``/``read`` (the per-block path:
+``tiers.nvme.engine`` off) driven through a store (``store.put``/``store.get``, its I/O pool) with
+every syscall and the checksum of kvstore/tiers/nvme/tier.py, folder.py and pool.py timed per
+thread (the modules' ``os`` and ``ff`` swapped for timing proxies for the run; nothing of the tier
+changes). Beside it, the same run's O_DIRECT limit (bench/limits.py: the same rows, one block per
+I/O, at the store's I/O parallelism). ``--full``: a full cache (every block written evicts one, its
+file recycled, kvstore/tiers/nvme/pool.py).
 
-    python -m kvstore.bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3
+    python -m kvstore.bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3 [--full]
 
 Per block, in microseconds: each call's time summed over the threads that made it (so with 4 I/O
 threads the sum exceeds the wall time), the wall time per block, and the limit's time per block.
@@ -28,7 +30,7 @@ from kvstore.bench.tiers_ops import run_op
 from kvstore.tiers import fileformat as ff
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.tiers.dram.pool import alloc_aligned
-from kvstore.tiers.nvme import folder as folder_mod, tier as nvme_mod
+from kvstore.tiers.nvme import folder as folder_mod, pool as pool_mod, tier as nvme_mod
 
 _TIMED = ("open", "close", "pwritev", "preadv", "setxattr", "getxattr", "utime", "rename", "fstat", "mkdir",
           "unlink", "chmod")
@@ -69,20 +71,23 @@ class _Proxy:
 
 
 def _patch(clock: _Clock):
-    saved = (nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir)
+    saved = (nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir, pool_mod.os)
     nvme_mod.os = _Proxy(os, clock, _TIMED)
     nvme_mod.ff = _Proxy(ff, clock, ("checksum",))
     folder_mod.os = _Proxy(os, clock, _TIMED, "dir.")
+    pool_mod.os = _Proxy(os, clock, _TIMED, "pool.")
     nvme_mod.open_subdir = clock.wrap("open_subdir(total)", folder_mod.open_subdir)
     return saved
 
 
 def _unpatch(saved) -> None:
-    nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir = saved
+    nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir, pool_mod.os = saved
 
 
 def profile(block_bytes: int, callers: int, total: int, folder: str, io_threads: int = 4, batch: int = 32,
-            repeats: int = 3) -> dict:
+            repeats: int = 3, full: bool = False, engine: str = "off") -> dict:
+    """``full``: a full cache (room for the blocks, filled first with others): every block
+    written evicts one, as in a long-running store."""
     n = max(batch, total // block_bytes)
     _m1, flat = alloc_aligned(n * block_bytes)
     src = flat.reshape(n, block_bytes)
@@ -97,17 +102,26 @@ def profile(block_bytes: int, callers: int, total: int, folder: str, io_threads:
         res["get"]["limit_us"].append(rd / n * 1e6)
         fp = ModelFingerprint(model=f"prof-{time.perf_counter_ns()}", dtype="uint8", block_size=1, num_layers=1,
                               num_kv_heads=1, head_size=block_bytes)
+        room = stores.capacity_gb(n, block_bytes, "nvme", xattr=stores.nvme_xattr(folder)) if full else \
+            stores.capacity_gb(2 * n, block_bytes, "nvme")
         cfg = {"tiers": {"dram": {"capacity_gb": 0},
-                         "nvme": {"capacity_gb": stores.capacity_gb(2 * n, block_bytes, "nvme"), "ttl_s": None,
-                                  "path": folder, "io_threads": io_threads}}}
+                         "nvme": {"capacity_gb": room, "ttl_s": None, "path": folder, "io_threads": io_threads,
+                                  "engine": engine}}}  # off: the per-block path, whose calls this times
         store = stores.open_store(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=1)
         keys = chain_keys(store.root, np.arange(n) + r * n, 1)
         try:
+            if full:  # as in bench tiers' full-cache put: the folders made, then filled with other blocks
+                run_op(store.put, keys, src, batch, callers)
+                run_op(store.put, chain_keys(store.root, np.arange(n) + (r + repeats) * n, 1), src, batch, callers)
+                store.flush()
             for op, fn, rows in (("put", store.put, src), ("get", store.get, out)):
                 clock = _Clock()
                 saved = _patch(clock)
                 try:
                     wall, _ = run_op(fn, keys, rows, batch, callers)
+                    t = time.perf_counter()
+                    store.flush()  # background work of the op (a full cache: the victims' files)
+                    wall += time.perf_counter() - t
                 finally:
                     _unpatch(saved)
                 res[op]["wall_us"].append(wall / n * 1e6)
@@ -143,6 +157,7 @@ def main(argv=None) -> None:
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--dir", default=None)
     p.add_argument("--layouts", action="store_true", help="steady-state file layouts instead of the tier profile")
+    p.add_argument("--full", action="store_true", help="a full cache: every block written evicts one")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstore-prof-", dir=a.dir) as d:
         if a.layouts:
@@ -153,7 +168,8 @@ def main(argv=None) -> None:
             return
         for mib in [float(x) for x in a.block_mib.split(",")]:
             for c in [int(x) for x in a.callers.split(",")]:
-                _print(mib, c, profile(int(mib * 2**20), c, a.total_mb << 20, d, a.io_threads, repeats=a.repeats))
+                _print(mib, c, profile(int(mib * 2**20), c, a.total_mb << 20, d, a.io_threads, repeats=a.repeats,
+                                       full=a.full))
 
 
 # -- layouts: what one block file per block costs in steady state (a full cache: every new block

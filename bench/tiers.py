@@ -9,7 +9,13 @@ before it (so a busy machine slows both sides of the ratio alike):
 * NVMe put/get: the better of an O_DIRECT sequential write/read in 4 MiB chunks at queue depth 1
   (what ``dd oflag=direct bs=4M`` does) and an O_DIRECT write/read of the same blocks, one block
   per I/O, at the store's I/O parallelism (``--io-threads``; the store writes one file per block
-  from that many threads, which a virtual disk serves faster than queue depth 1);
+  from that many threads, which a virtual disk serves faster than queue depth 1) into a new file;
+* NVMe ``put_full``: a put into a full cache, as in a store that has run a while (the cache holds
+  the run's blocks; other blocks are put first, untimed, then the run's blocks again, each evicting
+  one of them: their files recycled, kvstore/tiers/nvme/pool.py, the fan-out folders there), timed
+  up to ``store.flush()`` and read back; its limit is the best of the put's and an O_DIRECT
+  overwrite of the same rows in place at the store's I/O parallelism (what a recycled file costs
+  the disk: no block allocation);
 * remote put/get (``--tiers remote``, Redis or Valkey: ``--redis-url``, else a private
   ``redis-server`` started for the run, ``bench/redis_local.py``): a raw pipelined ``SET ... PX``
   then ``GETEX ... PX`` of values of the store's size (block bytes + the 88-byte header, built
@@ -88,12 +94,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="block contents: KV captured from the tiny random-weight Llama, or synthetic normal KV with "
                    "per-head scales (auto: tiny-llama when a codec other than none is measured)")
     p.add_argument("--dir", default=None, help="folder for the NVMe tier (default: a temp folder)")
-    p.add_argument("--nvme-paths", default=None, help="comma list of NVMe paths: store (the store's put/get "
-                   "today), blockio (the batched engine on the tier, kvstore/tiers/blockio.py) (store)")
+    p.add_argument("--nvme-paths", default=None, help="comma list of NVMe paths, each a store on its own: store "
+                   "(tiers.nvme.engine as configured by default), blockio (the batched native engine on: "
+                   "--engine-backend), noengine (engine off: the tier's own write/read per block) (store)")
     p.add_argument("--engine-backend", default=None, choices=["auto", "io_uring", "threads"],
                    help="blockio path: io_uring where the kernel allows it, else a thread pool (auto)")
     p.add_argument("--engine-depth", type=int, default=None,
-                   help="blockio path: block files in flight per caller (default: --io-threads)")
+                   help="blockio path: block files in flight per I/O thread (io_uring) or in all (threads) "
+                   "(default: the tier's, 8)")
     p.add_argument("--peer", default=None, choices=["lmcache"], help="also run the peer's local CPU and disk "
                    "backends on the same bytes, threads and folder, interleaved (its venv: make peers)")
     p.add_argument("--o-direct", default=None, choices=["auto", "true", "false"])

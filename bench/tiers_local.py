@@ -12,24 +12,43 @@ import numpy as np
 
 from kvstore.bench import stores
 from kvstore.bench.limits import memcpy_rows_s, odirect_gbps, odirect_rows_s
-from kvstore.bench.tiers_ops import fingerprint, nbytes_gb, not_measured, pct, put_then_get
+from kvstore.bench.tiers_ops import (cpu_s, fingerprint, nbytes_gb, not_measured, pct, put_then_get, run_op,
+                                     timed_get)
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
 
 
-def _make_store(tier: str, n_blocks: int, block_bytes: int, folder: str, a, tokens: int, codec: str) -> KVStore:
-    """Room for ``n_blocks`` (DRAM: plus 1 MiB; NVMe: twice as many files) in ``tier`` alone."""
+NVME_PATHS = {"store": None, "blockio": "engine", "noengine": "off"}  # path -> tiers.nvme.engine (None: default)
+
+
+def _make_store(tier: str, n_blocks: int, block_bytes: int, folder: str, a, tokens: int, codec: str,
+                engine: str | None = None) -> KVStore:
+    """Room for ``n_blocks`` in ``tier`` alone (DRAM: plus 1 MiB; NVMe: plus half a file, so that
+    as many other blocks evict them all; with a codec, twice as many). ``engine``: tiers.nvme.engine (None: its default;
+    "engine": ``--engine-backend``, at ``--engine-depth`` when given)."""
     if tier == "dram":
         tiers = {"dram": {"capacity_gb": stores.capacity_gb(n_blocks, block_bytes, "dram", spare_bytes=1 << 20),
                           "ttl_s": None, "codec": codec},
                  "nvme": {"capacity_gb": 0}}
-    else:
+    else:  # codec none: room for the blocks alone (a full-cache put evicts them all); a codec: twice
+        xattr = stores.nvme_xattr(folder)
+        half = stores.entry_bytes("nvme", block_bytes, xattr=xattr) // 2
+        room = stores.capacity_gb(n_blocks, block_bytes, "nvme", xattr=xattr, spare_bytes=half) if codec == "none" \
+            else stores.capacity_gb(2 * n_blocks, block_bytes, "nvme")
         tiers = {"dram": {"capacity_gb": 0},
-                 "nvme": {"capacity_gb": stores.capacity_gb(2 * n_blocks, block_bytes, "nvme"), "ttl_s": None,
-                          "path": folder, "o_direct": {"auto": "auto", "true": True, "false": False}[a.o_direct],
-                          "io_threads": a.io_threads, "codec": codec}}
+                 "nvme": {"capacity_gb": room,
+                          "ttl_s": None, "path": folder, "io_threads": a.io_threads, "codec": codec,
+                          "o_direct": {"auto": "auto", "true": True, "false": False}[a.o_direct]}}
+        if engine is not None:
+            tiers["nvme"]["engine"] = getattr(a, "engine_backend", "auto") or "auto" if engine == "engine" else engine
     fp = fingerprint(a, f"bench-{tier}-{time.perf_counter_ns()}", tokens, codec)
-    return stores.open_store({"tiers": tiers}, block_bytes=block_bytes, fingerprint=fp, block_tokens=tokens)
+    s = stores.open_store({"tiers": tiers}, block_bytes=block_bytes, fingerprint=fp, block_tokens=tokens)
+    if engine == "engine" and getattr(a, "engine_depth", None) and s.nvme.engine is not None:
+        from kvstore.tiers.nvme.blockio import BlockIO
+
+        old, s.nvme.engine = s.nvme.engine, BlockIO(s.nvme.engine.backend, a.engine_depth)
+        old.close()
+    return s
 
 
 def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> dict:
@@ -46,11 +65,12 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
         return measure_remote(codec, c, bt, bb, n, src, out, a, bar)
     paths = ["store"]
     if tier == "nvme" and codec == "none":
-        paths += [p for p in str(getattr(a, "nvme_paths", "store")).split(",") if p == "blockio"]
+        paths += [p for p in str(getattr(a, "nvme_paths", "store")).split(",") if p in NVME_PATHS and p != "store"]
     if peer is not None and codec == "none":
         paths.append("lmcache")
-    lim = {"put": [], "get": [], "put_seq": [], "get_seq": []}
-    runs: dict[str, dict] = {p: {"put": [], "get": [], "put_lat": [], "get_lat": [], "ok": True, "got": []}
+    ops = ("put", "get", "put_full") if tier == "nvme" and codec == "none" else ("put", "get")
+    lim = {"put": [], "get": [], "put_seq": [], "get_seq": [], "put_full": [], "put_full_seq": [], "put_full_over": []}
+    runs: dict[str, dict] = {p: {**{op: [] for op in ops}, **{op + "_lat": [] for op in ops}, "ok": True, "got": []}
                              for p in paths}
     direct = None
     stored: list[int] = []  # bytes the tier accounts for the n blocks after the put (its files' real sizes)
@@ -64,23 +84,26 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
                 lim["put_seq"].append(nbytes_gb(n * bb, memcpy_rows_s(src, out, 1)))
                 lim["get_seq"].append(nbytes_gb(n * bb, memcpy_rows_s(src, out, 1)))
         else:
-            w, rd, direct = odirect_rows_s(folder, src, out, a.io_threads)
+            ow: list[float] = []
+            w, rd, direct = odirect_rows_s(folder, src, out, a.io_threads, overwrite=ow)
             lim["put"].append(w)
             lim["get"].append(rd)
+            lim["put_full"].append(w)
+            lim["put_full_over"].append(ow[0])  # a full cache's files are overwritten: its limit may be this
             sw, sr, _ = odirect_gbps(folder, n * bb, repeats=1)  # GB/s
             lim["put_seq"].append(sw)
+            lim["put_full_seq"].append(sw)
             lim["get_seq"].append(sr)
         for path in paths[r % len(paths):] + paths[: r % len(paths)]:
             run = runs[path]
             try:
-                if path == "store":
-                    res = _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r)
-                    stored.append(res["stored"])
-                    none_bytes = res["none_bytes"]
-                    if res.get("on_disk") is not None:
-                        on_disk.append(res["on_disk"])
-                elif path == "blockio":
-                    res = engine_path(c, bb, n, src, out, folder, a, r)
+                if path in NVME_PATHS:
+                    res = _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r, NVME_PATHS[path])
+                    if path == "store":
+                        stored.append(res["stored"])
+                        none_bytes = res["none_bytes"]
+                        if res.get("on_disk") is not None:
+                            on_disk.append(res["on_disk"])
                 else:  # the peer checks its own bytes against the same blocks
                     res = peer.run(tier, c, a.batch, os.path.join(folder, f"lmcache-{r}"), a.io_threads)
             except Exception as e:
@@ -92,7 +115,9 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
                 continue
             if "engine" in res:
                 run["engine"] = res["engine"]
-            for op in ("put", "get"):
+            for op in ops:
+                if op + "_s" not in res:  # the peer: no full-cache put
+                    continue
                 run[op].append(res[op + "_s"])
                 run[op + "_lat"] += res[op + "_lat"]
                 run.setdefault(op + "_cpu", []).append(res.get(op + "_cpu"))
@@ -106,7 +131,7 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
             "capacity_gain": none_bytes * n / used if used and none_bytes else None,
             "blocks_per_gb": n / used * 1e9 if used else None}
     rows = []
-    for op in ("put", "get"):
+    for op in ops:
         limit, name = _limit(tier, op, lim, nbytes, c, direct, a.io_threads)
         for path in paths:
             run = runs[path]
@@ -123,6 +148,8 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
                          "gbps_runs": [nbytes / t / 1e9 for t in run[op]],
                          "limit_runs": [nbytes / t / 1e9 for t in lim[op]],
                          "limit_alt_runs": lim.get(op + "_seq"),  # seq 4M (NVMe) or x1 (DRAM)
+                         **({"limit_over_runs": [nbytes / t / 1e9 for t in lim[op + "_over"]]}
+                            if lim.get(op + "_over") else {}),
                          **({"engine": run["engine"]} if "engine" in run else {})})
     return {"rows": rows, "errors": [{"tier": tier, "codec": codec, "block_tokens": bt, "concurrency": c,
                                       "path": p, "error": v["error"]} for p, v in runs.items() if "error" in v]}
@@ -145,21 +172,31 @@ def _limit(tier, op, lim, nbytes, c, direct, io_threads) -> tuple[float, str]:
         if lim[op + "_seq"] and statistics.median(lim[op + "_seq"]) > limit:
             limit, name = statistics.median(lim[op + "_seq"]), "memcpy x1"
         return limit, name
-    per_block = nbytes / statistics.median(lim[op]) / 1e9
-    seq = statistics.median(lim[op + "_seq"])
-    kind = "write" if op == "put" else "read"
-    if per_block >= seq:
-        return per_block, f"{'O_DIRECT' if direct else 'fsync'} {kind} x{io_threads}"
-    return seq, f"{'O_DIRECT' if direct else 'fsync'} {kind} seq 4M"
+    how = "O_DIRECT" if direct else "fsync"
+    kind = "read" if op == "get" else "write"
+    best = [(statistics.median(lim[op + "_seq"]), f"{how} {kind} seq 4M"),
+            (nbytes / statistics.median(lim[op]) / 1e9, f"{how} {kind} x{io_threads}")]
+    if lim.get(op + "_over"):  # a full cache: the same rows overwritten in place (recycled files)
+        best.append((nbytes / statistics.median(lim[op + "_over"]) / 1e9, f"{how} overwrite x{io_threads}"))
+    return max(best)
 
 
-def _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r) -> dict:
-    """Today's path: a store with this tier alone, ``store.put`` / ``store.get`` from c callers."""
-    store = _make_store(tier, n, bb, folder, a, bt, codec)
+def _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r, engine: str | None = None) -> dict:
+    """A store with this tier alone, ``store.put`` / ``store.get`` from c callers. NVMe, then:
+    ``put_full``, a put into a full cache (other blocks evicted, one for each block written, as
+    in a store that has run a while: their files recycled, the fan-out folders there already),
+    timed up to ``store.flush()`` (the victims' files), its bytes read back and checked."""
+    store = _make_store(tier, n, bb, folder, a, bt, codec, engine)
     keys = chain_keys(store.root, np.arange(n * bt) % 50000 + r, bt)
     try:
         tier_obj = store.dram if tier == "dram" else store.nvme
         res = put_then_get(store.put, store.get, keys, src, out, a.batch, c, codec)
+        if tier == "nvme" and codec == "none" and res["verified"] is not False:
+            res.update(_put_full(store, keys, src, out, a.batch, c, codec, r))
+            res["verified"] = _and(res["verified"], res.pop("full_verified"))
+        eng = getattr(tier_obj, "engine", None)
+        if tier == "nvme":
+            res["engine"] = f"{eng.backend}, depth {eng._e.depth}" if eng is not None else "off"
         res["stored"] = tier_obj.index.used  # (a get from one tier alone moves nothing)
         res["on_disk"] = None
         if tier == "nvme":
@@ -175,41 +212,21 @@ def _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r) -> dict:
     return res
 
 
-def engine_path(c, bb, n, src, out, folder, a, r) -> dict:
-    """The batched engine (kvstore/tiers/blockio.py) on an NVMe tier of the same folder: each
-    caller's batch is reserved, written in one engine call and committed (read: acquired, read in
-    one call, released), as the store will drive it once wired (issue 34)."""
-    from kvstore.tiers.nvme.blockio import BlockIO
-    from kvstore.tiers.nvme import NvmeTier
-
-    o_direct = {"auto": "auto", "true": True, "false": False}[a.o_direct]
-    t = NvmeTier(path=folder, namespace=os.urandom(16), capacity_bytes=2 * n * (bb + 8192), ttl_s=None,
-                 policy="lru", block_bytes=bb, o_direct=o_direct)
-    bio = BlockIO(getattr(a, "engine_backend", "auto") or "auto", getattr(a, "engine_depth", None) or a.io_threads)
-    keys = [k.tobytes() for k in np.random.default_rng(r).integers(0, 256, (n, 16), dtype=np.uint8)]
-
-    def put(ks, rows):
-        es = t.reserve(ks)
-        take = [i for i, e in enumerate(es) if e is not None]
-        oks = bio.write(t, [es[i] for i in take], [rows[i] for i in take])
-        t.commit([es[i] for i in take], oks)
-        return sum(oks)
-
-    def get(ks, rows):
-        es = t.acquire(ks)
-        take = [i for i, e in enumerate(es) if e is not None]
-        oks = bio.read(t, [es[i] for i in take], [rows[i] for i in take])
-        t.release([es[i] for i in take], oks)
-        return sum(oks)
-
-    try:
-        res = put_then_get(put, get, keys, src, out, a.batch, c, "none")
-    finally:
-        engine = f"{bio.backend}, depth {bio._e.depth}"
-        bio.close()
-        t.close()
-        shutil.rmtree(t.root, ignore_errors=True)
-    return {**res, "engine": engine}
+def _put_full(store, keys, src, out, batch: int, c: int, codec: str, r: int) -> dict:
+    """Other blocks put over ``keys`` (untimed: they evict them all), then ``keys`` again (timed up
+    to flush: each evicts one of the others), then read back (untimed) and checked."""
+    other = chain_keys(store.root, np.arange(len(keys) * 7) % 50000 + 60000 + r, 7)[: len(keys)]
+    run_op(store.put, other, src, batch, c)
+    store.flush()
+    c0 = cpu_s()
+    t, lat = run_op(store.put, keys, src, batch, c)
+    t0 = time.perf_counter()
+    store.flush()
+    t += time.perf_counter() - t0
+    cpu = cpu_s() - c0
+    got: list[int] = []
+    _t, _lat, ok = timed_get(store.get, keys, src, out, batch, c, codec, got, True)
+    return {"put_full_s": t, "put_full_lat": lat, "put_full_cpu": cpu, "full_verified": ok}
 
 
 def _files_bytes(root) -> int:

@@ -8,6 +8,9 @@ from kvstore.bench.report import Figures, markdown_table
 from kvstore.bench.tiers_remote import REMOTE_HEADER
 
 
+OPS = {"put_full": "put, full cache"}  # NVMe: every block written evicts one (bench/tiers_local.py)
+
+
 def render(data: dict) -> str:
     L = data["limits"]
     head = (f"Reference limits (one 2-buffer copy / dd-style file, whole run size): memcpy {L['memcpy_gbps']:.2f} GB/s; "
@@ -19,7 +22,7 @@ def render(data: dict) -> str:
     head += ("ratio = GB/s / limit. comp = raw bytes / bytes the tier holds for them (files at their real size); "
              "cap x = blocks per GB vs codec none on the same tier.\n")
     results = data["results"]
-    rows = [{**r, "mib": r["block_bytes"] / 2**20,
+    rows = [{**r, "mib": r["block_bytes"] / 2**20, "op": OPS.get(r["op"], r["op"]),
              "ok": {True: "yes", False: "NO", None: "lossy, in bound"}[r["verified"]]
              + ("" if r.get("get_returned_min") in (None, r.get("blocks")) else
                 f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in results]
@@ -29,8 +32,9 @@ def render(data: dict) -> str:
              "cap x", "p50 ms", "p99 ms", "bytes ok"]
     if any(r.get("path", "store") != "store" for r in results):
         for r in rows:
-            r["via"] = {"store": "kvstore", "blockio": f"kvstore blockio ({r.get('engine', '')})"}.get(
-                r.get("path", "store"), r.get("path"))
+            eng = f" (engine {r['engine']})" if r.get("engine") else ""
+            r["via"] = {"store": f"kvstore{eng}", "blockio": f"kvstore blockio{eng}",
+                        "noengine": "kvstore (engine off)"}.get(r.get("path", "store"), r.get("path"))
         cols.insert(1, "via")
         names.insert(1, "store")
         cols.insert(cols.index("p50_ms"), "cpu_us_blk")

@@ -40,9 +40,10 @@ def test_tiers_small(tmp_path, capsys):
                                    "1,2", "--repeats", "2", "--batch", "8", "--dir", str(tmp_path),
                                    "--json", str(out / "t.json"), "--plots", str(out / "plots")]))
     rows = data["results"]
-    assert len(rows) == 2 * 2 * 2 * 2  # block sizes x tiers x concurrency x {put, get}
+    assert len(rows) == 2 * 2 * (2 + 3)  # block sizes x concurrency x (DRAM {put, get} + NVMe {put, get, put_full})
     assert {(r["tier"], r["op"], r["block_tokens"], r["concurrency"]) for r in rows} == {
-        (t, o, b, c) for t in ("dram", "nvme") for o in ("put", "get") for b in (16, 32) for c in (1, 2)}
+        (t, o, b, c) for t in ("dram", "nvme") for o in ("put", "get", "put_full") for b in (16, 32) for c in (1, 2)
+        if (t, o) != ("dram", "put_full")}
     for r in rows:
         assert r["verified"] is True
         assert r["gbps"] > 0 and r["limit_gbps"] > 0
@@ -64,27 +65,39 @@ def test_tiers_small(tmp_path, capsys):
     assert "| tier | op | codec |" in text and "ratio" in text
 
 
-def test_tiers_nvme_paths_store_and_blockio_share_each_limit(tmp_path):
-    """--nvme-paths store,blockio: today's store and the batched engine (kvstore/tiers/blockio.py), the
-    same bytes, folder and repeats, each row beside the same limit; bytes verified on both."""
+def test_tiers_nvme_paths_share_each_limit(tmp_path):
+    """--nvme-paths store,blockio,noengine: the store as configured, with the native engine forced on
+    (``--engine-backend threads``) and with it off; the same bytes, folder and repeats, each row
+    beside the same limit; bytes verified on all. A full-cache put per path beside the best of the
+    put's limit and an O_DIRECT overwrite of the same rows."""
     from kvstore.tiers.nvme import blockio
 
     if not blockio.available():
         pytest.skip(f"kvstore._blockio not built: {blockio.native_error()}")
     data = tiers.run(_args(tiers, ["--total-mb", "8", "--block-tokens", "16", "--layers", "2", "--concurrency", "1,2",
-                                   "--repeats", "2", "--batch", "4", "--tiers", "nvme", "--nvme-paths", "store,blockio",
+                                   "--repeats", "2", "--batch", "4", "--tiers", "nvme", "--nvme-paths",
+                                   "store,blockio,noengine", "--engine-backend", "threads", "--engine-depth", "3",
                                    "--dir", str(tmp_path)]))
     rows = data["results"]
+    paths = ("store", "blockio", "noengine")
     assert {(r["path"], r["op"], r["concurrency"]) for r in rows} == {
-        (p, o, c) for p in ("store", "blockio") for o in ("put", "get") for c in (1, 2)}
+        (p, o, c) for p in paths for o in ("put", "get", "put_full") for c in (1, 2)}
     for r in rows:
         assert r["verified"] is True and r["get_returned_min"] == r["blocks"]
         assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"]) and len(r["gbps_runs"]) == 2
         assert r["cpu_us_blk"] > 0
-        twin = next(t for t in rows if t["op"] == r["op"] and t["concurrency"] == r["concurrency"] and t is not r)
-        assert twin["limit_runs"] == r["limit_runs"]  # one limit per round for both paths
-    assert all(r["engine"].startswith(("io_uring", "threads")) for r in rows if r["path"] == "blockio")
-    assert "kvstore blockio (" in tiers.render(data)
+        twins = [t for t in rows if t["op"] == r["op"] and t["concurrency"] == r["concurrency"]]
+        assert len(twins) == 3 and all(t["limit_runs"] == r["limit_runs"] for t in twins)  # one limit per round
+        if r["op"] == "put_full":
+            assert len(r["limit_over_runs"]) == 2
+            best = max(r["limit_gbps"], statistics.median(r["limit_over_runs"]))
+            assert r["limit_gbps"] == pytest.approx(best)
+    engine = {r["path"]: r["engine"] for r in rows}
+    assert engine["blockio"] == "threads, depth 3" and engine["noengine"] == "off"
+    assert engine["store"].startswith(("io_uring", "threads"))  # tiers.nvme.engine: auto by default
+    text = tiers.render(data)
+    assert "kvstore blockio (engine threads, depth 3)" in text and "kvstore (engine off)" in text
+    assert "put, full cache" in text
     assert not list(tmp_path.glob("*/kvstore-*/*/*/*.kvb"))  # each path's files removed after its round
 
 

@@ -57,7 +57,7 @@ def test_rows_beside_the_peer(tmp_path):
     rows = data["results"]
     assert {r["path"] for r in rows if r["tier"] == "nvme"} == {"store", "blockio"}
     peer_rows = [{**r, "path": "lmcache", "gbps": r["gbps"] / 2, "ratio": r["ratio"] / 2, "cpu_us_blk": 7.0}
-                 for r in rows if r["path"] == "store"]
+                 for r in rows if r["path"] == "store" and r["op"] != "put_full"]  # the peer: put and get
     table = peer_table(rows + peer_rows)
     lines = [ln for ln in table.splitlines() if ln.startswith("| dram") or ln.startswith("| nvme")]
     assert len(lines) == 4  # (dram, nvme) x (put, get)
