@@ -124,7 +124,7 @@ def render_engine(e: dict) -> list[str]:
     lines = [f"kvstore hit rate: {e['hit_rate']:.1%} = {HIT_RATE_MEANS} = {sum(e['served_tokens'].values())} / "
              f"({e['prompt_tokens']} - {e['engine_local_hit_tokens']}) tokens, {e['requests']} requests"]
     for t, r in e["hit_rate_by_tier"].items():
-        lines.append(f"  served from {t:5s} {r:6.1%}  ({e['served_tokens'][t]} tokens)")
+        lines.append(f"  served from {t:6s} {r:6.1%}  ({e['served_tokens'][t]} tokens)")
     kinds = e.get("served_tokens_by_kind")
     if kinds and any(sum(v.values()) for v in kinds.values()):
         for k in ("replay", "genuine"):
