@@ -69,6 +69,11 @@ LMCache's connector (``LMCacheConnectorV1``, CPU backend) and vLLM's ``Offloadin
 (CPU blocks). Neither runs on vLLM's CPU backend (DESIGN.md section 7), so on CPU the report
 says so and leaves them out.
 
+**Hybrid models** (``--arch gemma3|qwen3_next``, bench/e2e_hybrid.py): the TTFT table on a tiny
+Gemma-3 style (sliding window beside full attention) or Qwen3-Next style (Gated DeltaNet beside
+full attention) model, and the bytes kvstore stores per prompt against a single-group model with
+the same layers (the two-engine group runs on the Llama only).
+
 Runs on a tiny random Llama built offline (hidden 256, 4 layers by default). The engine is in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); vLLM must be installed.
 """
@@ -84,7 +89,7 @@ import time
 
 import numpy as np
 
-from kvstore.bench import harness
+from kvstore.bench import e2e_cases, e2e_hybrid, harness
 from kvstore.bench.e2e_cases import (DESIGNS, GROUPS, KVSTORE_CASES, MT_CASES, NR_WORKLOADS, PEERS, QUICK, REGIMES,
                              TTFT_CASES, _case_engine, _cuda, _designs, _goal, _label, _load, hook_seconds,
                              multi_turn, no_reuse_once, no_reuse_prompts, peer_status, quiesce, settle)
@@ -108,6 +113,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--model", default=None, help="a model folder (default: build the tiny model)")
+    p.add_argument("--arch", default="llama", choices=e2e_hybrid.ARCHS,
+                   help="the tiny model: llama (one KV cache group), gemma3 (sliding window + full attention) or "
+                        "qwen3_next (Gated DeltaNet + full attention; blocks of 288 tokens); a hybrid one adds the "
+                        "stored-bytes table against its single-group twin")
+    p.add_argument("--window", type=int, default=512, help="--arch gemma3: the sliding window in tokens")
     p.add_argument("--dir", default=None, help="folder for the NVMe tier and the tiny model")
     p.add_argument("--designs", default="sync,async",
                    help="kvstore designs to run, each kvstore case once per design: sync (io.async_saves and "
@@ -189,7 +199,7 @@ def run(a: argparse.Namespace) -> dict:
     bad = named - set(TTFT_CASES) - set(GROUPS)
     if bad:
         raise SystemExit(f"--cases: unknown {sorted(bad)}; choose from {TTFT_CASES + GROUPS}")
-    te_lengths = lengths if "two_engines" in named and a.te_repeats > 0 else []
+    te_lengths = lengths if "two_engines" in named and a.te_repeats > 0 and a.arch == "llama" else []
     only_groups = bool(named) and named <= set(GROUPS)  # e.g. --cases two_engines: that group alone
     if only_groups:
         lengths = []
@@ -205,8 +215,13 @@ def run(a: argparse.Namespace) -> dict:
     if do_nr:
         need += [a.nr_prefill_tokens + 1, a.nr_decode_prompt + a.nr_decode_output]
     max_len = max(need + [64]) + 64
-    model = a.model or build_tiny_llama(os.path.join(work.name, "model"), hidden=a.hidden, layers=a.layers,
-                                        max_pos=max_len)
+    e2e_cases.MODEL_KW.clear()
+    e2e_cases.MODEL_KW.update(e2e_hybrid.llm_kw(a.arch))
+    if a.arch == "llama":
+        model = a.model or build_tiny_llama(os.path.join(work.name, "model"), hidden=a.hidden, layers=a.layers,
+                                            max_pos=max_len)
+    else:
+        model = a.model or e2e_hybrid.build(a.arch, work.name, max_len, window=a.window)
     want = (named - set(GROUPS)) | {"recompute", "vllm_prefix"}
     ttft_cases = ([c for c in TTFT_CASES if c in want] + live_peers) if lengths else []
     mt_cases = ([c for c in MT_CASES if c != "kvstore" or "kvstore_dram" in want] + live_peers) if do_mt else []
@@ -228,6 +243,7 @@ def run(a: argparse.Namespace) -> dict:
     steps += sum(1 if c == "recompute" else len(REGIMES) for c, _ in mt_runs) * a.mt_turns * a.mt_repeats
     steps += len(nr_configs) * a.nr_repeats * len(NR_WORKLOADS) if do_nr else 0
     steps += 2 if te_lengths else 0
+    steps += 2 * len(lengths) if a.arch != "llama" else 0
     with harness.Progress(max(1, steps), "bench e2e") as bar:
         def open_engine(case: str, design: str | None, store: str) -> Engine:
             mapped = {"kvstore": "kvstore_dram", "vllm": "vllm_prefix"}.get(case, case)
@@ -292,15 +308,22 @@ def run(a: argparse.Namespace) -> dict:
             te = two_engines(model, a, te_lengths, designs, max_len, work.name,
                              advance=bar.advance,
                              recompute_s=known)
+        stored = []
+        if a.arch != "llama" and lengths:
+            bar.label("stored bytes per prompt")
+            twin = e2e_hybrid.build(a.arch, work.name, max_len, window=a.window, twin=True)
+            stored = e2e_hybrid.stored_bytes(a.arch, {"hybrid": model, "twin": twin}, lengths, a.block_size, max_len,
+                                             work.name, advance=bar.advance)
     work.cleanup()
     rows, mt_rows, nr_rows, goals = tables(a, lengths, ttft_runs, mt_runs, nr_configs, times, cached, mt, nr, do_mt,
                                            by_round, hook_ms)
     data = {"results": rows, "multi_turn": mt_rows, "no_reuse": nr_rows,
             "two_engines": te["rows"] if te else [], "two_engines_info": te["info"] if te else None,
-            "goals": goals, "peers": peers,
+            "goals": goals, "peers": peers, "stored": stored,
             "designs": {d: DESIGNS[d] for d in designs},
             "params": {"lengths": lengths, "repeats": a.repeats, "ttft_rounds": a.ttft_rounds, "block_size": a.block_size, "hidden": a.hidden,
-                       "layers": a.layers, "designs": designs, "mt_clients": a.mt_clients, "mt_turns": a.mt_turns,
+                       "layers": a.layers, "arch": a.arch, "window": a.window, "designs": designs,
+                       "mt_clients": a.mt_clients, "mt_turns": a.mt_turns,
                        "mt_max_tokens": a.mt_max_tokens, "mt_system": a.mt_system, "mt_first": a.mt_first,
                        "mt_output": a.mt_output, "mt_repeats": a.mt_repeats, "nr_repeats": a.nr_repeats,
                        "nr_prompts": a.nr_prompts,
@@ -309,7 +332,7 @@ def run(a: argparse.Namespace) -> dict:
                        "te_repeats": a.te_repeats, "device": "cuda" if _cuda() else "cpu",
                        "quick": bool(a.quick), "cpus": os.cpu_count(), "load_start": load_start,
                        "load_end": _load(), "wall_s": time.perf_counter() - t_start}}
-    return harness.report(a, data, render, plot)
+    return harness.report(a, data, lambda d: render(d) + e2e_hybrid.render(d), plot)
 
 
 def main(argv=None) -> dict:

@@ -89,13 +89,18 @@ def _kv_transfer(connector: str | None, store: str | None, dram_gb: float, peer_
     raise ValueError(connector)
 
 
+# vLLM engine arguments the bench's model needs (bench/e2e_hybrid.py: bfloat16 for Qwen3-Next)
+MODEL_KW: dict = {}
+
+
 def new_engine(model: str, block_size: int, max_len: int, connector: str | None = None, store: str | None = None,
                dram_gb: float = 1.0, prefix_caching: bool = True, peer_cpu_gb: float = 4.0,
-               design: str | None = None, remote: dict | None = None) -> Engine:
+               design: str | None = None, remote: dict | None = None, **llm_kw) -> Engine:
     """An engine of the bench (a step takes a whole prompt: max_num_batched_tokens = max_len)."""
     return Engine(model, block_size=block_size, max_len=max_len, prefix_caching=prefix_caching,
                   batched_tokens=max_len,
-                  kv_transfer=_kv_transfer(connector, store, dram_gb, peer_cpu_gb, design, remote))
+                  kv_transfer=_kv_transfer(connector, store, dram_gb, peer_cpu_gb, design, remote),
+                  **{**MODEL_KW, **llm_kw})
 
 
 def _label(case: str, design: str | None) -> str:

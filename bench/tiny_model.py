@@ -92,35 +92,36 @@ def build_tiny_llama(path: str, *, hidden: int = 256, layers: int = 4, heads: in
 
 
 def build_tiny_gemma3(path: str, *, window: int = 64, layer_types: tuple[str, ...] | None = None,
-                      hidden: int = 128, vocab: int = 512, seed: int = 0, std: float = 0.2) -> str:
+                      hidden: int = 128, vocab: int = 512, seed: int = 0, std: float = 0.2, max_pos: int = 4096) -> str:
     """A Gemma-3 style model: ``layer_types`` (default sliding, full, sliding, full) with a sliding
     window of ``window`` tokens; float32."""
     types = list(layer_types or ("sliding_attention", "full_attention") * 2)
-    spec = dict(arch="gemma3", window=window, types=types, hidden=hidden, vocab=vocab, seed=seed, std=std)
+    spec = dict(arch="gemma3", window=window, types=types, hidden=hidden, vocab=vocab, seed=seed, std=std,
+                max_pos=max_pos)
     if _built(path, spec):
         return path
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=len(types),
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                           max_position_embeddings=4096, sliding_window=window, query_pre_attn_scalar=32,
+                           max_position_embeddings=max_pos, sliding_window=window, query_pre_attn_scalar=32,
                            layer_types=types, vocab_size=vocab, torch_dtype="float32", **COMMON)
     cfg.architectures = ["Gemma3ForCausalLM"]
     return _save(path, spec, cfg, Gemma3ForCausalLM, seed=seed, std=std, vocab=vocab)
 
 
 def build_tiny_qwen3_next(path: str, *, layer_types: tuple[str, ...] | None = None, hidden: int = 128,
-                          vocab: int = 512, seed: int = 0, std: float = 0.2) -> str:
+                          vocab: int = 512, seed: int = 0, std: float = 0.2, max_pos: int = 4096) -> str:
     """A Qwen3-Next style model: Gated DeltaNet (``linear_attention``) beside full attention;
     bfloat16 (vLLM's CPU GDN kernel needs it)."""
     types = list(layer_types or ("linear_attention", "full_attention") * 2)
-    spec = dict(arch="qwen3_next", types=types, hidden=hidden, vocab=vocab, seed=seed, std=std)
+    spec = dict(arch="qwen3_next", types=types, hidden=hidden, vocab=vocab, seed=seed, std=std, max_pos=max_pos)
     if _built(path, spec):
         return path
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=len(types),
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_pos,
                           linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=128,
                           linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4,
                           num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,

@@ -138,8 +138,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             groups = kv_cache_config.kv_cache_groups  # none: an attention-free model
             self.block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
             return
-        if len(self.groups) > 1 or not self.groups.plain:
-            _check_codecs(self.config, self.groups)
+        _check_codecs(self.config, self.groups)  # a lossy codec and a model with state: ConfigError
         self.fingerprint, block_bytes, self.layer_names = model_fingerprint(vllm_config, kv_cache_config, codec, role,
                                                                             self.groups)
         self.block_size = self.fingerprint.block_size
