@@ -24,14 +24,14 @@ def tiny_model(tmp_path_factory):
     return build_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"), hidden=128, layers=2)
 
 
-def engine_config(model: str, extra: dict):
+def engine_config(model: str, extra: dict, **kw):
     """What ``LLM(...)`` and the API server do first: vLLM's own config (no engine, no model)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=model, enforce_eager=True, max_model_len=1024, block_size=32,
                       kv_transfer_config=KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both",
-                                                          kv_connector_extra_config=extra))
+                                                          kv_connector_extra_config=extra), **kw)
     return args.create_engine_config()
 
 
@@ -49,6 +49,10 @@ def test_the_config_is_checked_where_vllm_builds_its_config(tiny_model, tmp_path
     assert {x.key for x in e.value.errors} == {"tiers.dram.polcy", "tiers.nvme.ttl_s", "tiers.dram.capacity_gb"}
     cap = capfd.readouterr()  # vLLM's own log handler writes to the process's output (caplog sees nothing)
     assert (cap.out + cap.err).count("kvstore: config key 'tiers.") == 3  # every bad key logged, not only the first
+    for flag in (True, False):  # told either way, vLLM does not resolve the class while building its config
+        with pytest.raises(KVStoreConfigError, match="tiers.nvme.ttl_s"):
+            engine_config(tiny_model, {"tiers": {"nvme": {"ttl_s": -1 if flag else -2}}},
+                          disable_hybrid_kv_cache_manager=flag)
     good = {"config": "agent", "tiers": {"dram": {"capacity_gb": 0.01}, "nvme": {"path": str(tmp_path / "n")}}}
     cfg = engine_config(tiny_model, good)  # a good config passes, and nothing is created by the check
     assert cfg.kv_transfer_config.kv_connector == "KVStoreConnector" and not (tmp_path / "n").exists()

@@ -9,7 +9,8 @@ The config is checked before the model loads: vLLM loads its plugins in the proc
 the engine's arguments, and resolves the connector's class while it builds its config there
 (``VllmConfig.__post_init__``: whether the connector supports the hybrid KV cache manager), long
 before a worker loads the model and builds the connector (42 s later with a tiny model, and
-minutes with a real one). ``register`` wraps that class lookup: for ``KVStoreConnector`` it checks
+minutes with a real one). ``register`` wraps that class lookup, and ``EngineArgs.create_engine_config``
+(which skips the lookup when ``--disable-hybrid-kv-cache-manager`` is given): for ``KVStoreConnector`` it checks
 ``kv_connector_extra_config`` as ``kvstore config`` does (every key, the DRAM pool against this
 machine's memory, the NVMe folder, the metrics port), logs every bad key and raises the first
 :class:`~kvstore.config.ConfigError`, the last line of vLLM's traceback. Anything else the check
@@ -92,9 +93,29 @@ def _checking_lookup(lookup):
     return get_connector_class
 
 
+def _checking_build(build):
+    """vLLM's ``EngineArgs.create_engine_config`` with the check above behind it: vLLM resolves the
+    connector's class inside it only while it decides on the hybrid KV cache manager, which it
+    skips when ``--disable-hybrid-kv-cache-manager`` is given either way."""
+    import functools
+
+    @functools.wraps(build)
+    def create_engine_config(self, *args, **kwargs):
+        cfg = build(self, *args, **kwargs)
+        ktc = getattr(cfg, "kv_transfer_config", None)
+        if getattr(ktc, "kv_connector", None) == NAME:
+            check_extra_config(dict(getattr(ktc, "kv_connector_extra_config", None) or {}))
+        return cfg
+
+    create_engine_config.kvstore_checks = True
+    return create_engine_config
+
+
 def register() -> None:
-    """Register KVStoreConnector with vLLM's connector factory, and check its config wherever vLLM
-    resolves the connector's class (idempotent)."""
+    """Register KVStoreConnector with vLLM's connector factory, and check its config where vLLM
+    builds its config and wherever it resolves the connector's class (idempotent)."""
+    import sys
+
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except Exception:  # vLLM missing or too old: nothing to register
@@ -104,3 +125,7 @@ def register() -> None:
     lookup = KVConnectorFactory.__dict__.get("get_connector_class")
     if isinstance(lookup, classmethod) and not getattr(lookup.__func__, "kvstore_checks", False):
         KVConnectorFactory.get_connector_class = classmethod(_checking_lookup(lookup.__func__))
+    args = sys.modules.get("vllm.engine.arg_utils")  # loaded where vLLM parses its arguments: it calls us
+    build = getattr(getattr(args, "EngineArgs", None), "create_engine_config", None)
+    if callable(build) and not getattr(build, "kvstore_checks", False):
+        args.EngineArgs.create_engine_config = _checking_build(build)
