@@ -121,6 +121,38 @@ class KVGroups:
             return True
         return 0 < junction and g.first_needed(junction) <= i < junction
 
+    def loads(self, tables, first: int, k: int) -> list[tuple[int, int, int]] | None:
+        """(group, block index, engine block) of every block a hit of blocks ``[first, k)``
+        fills: the non-null blocks vLLM allocated for it in each group (it allocates none where
+        a group needs nothing). None when the tables do not cover the hit."""
+        if tables is None or len(tables) != len(self.groups):
+            return None
+        out = []
+        for g in self.groups:
+            t = tables[g.index]
+            if len(t) < k:
+                return None
+            out += [(g.index, i, t[i]) for i in range(first, k) if t[i]]
+        return out
+
+    def stores(self, tables, start: int, full: int, last: int, junction: int) -> list[tuple[int, int, int]]:
+        """(group, block index, engine block) of the blocks ``[start, full)`` the table groups
+        keep (:meth:`keeps`), where vLLM holds them (not its null block)."""
+        out = []
+        for g in self.table:
+            t = tables[g.index] if g.index < len(tables) else ()
+            out += [(g.index, i, t[i]) for i in range(start, min(full, len(t)))
+                    if t[i] and self.keeps(g, i, last, junction)]
+        return out
+
+    def states(self, handed: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(group, block index, engine block) of the states vLLM handed off (``(group, engine
+        block, boundary tokens)``): the state after block ``tokens // block_size - 1``, on a
+        block boundary, in a state group, never vLLM's null block."""
+        bs, n = self.block_size, len(self.groups)
+        return [(g, t // bs - 1, b) for g, b, t in handed
+                if b and t >= bs and t % bs == 0 and 0 <= g < n and self.groups[g].role == STATE]
+
     def hit(self, k: int, skip: int, probe: Callable[[Group, list[int]], tuple[int, str | None]]
             ) -> tuple[int, int, str | None]:
         """The longest hit of at most ``k`` blocks every window and state group can supply:

@@ -309,34 +309,30 @@ class Planner:
         st.found, st.miss_reason = k, (why or reason) if k < top else None
         return max(0, k * bs - num_computed)
 
+    def _keyed(self, st: RequestState, picks: list[tuple[int, int, int]]) -> tuple[list, list, list]:
+        """(keys, engine blocks, groups) of ``(group, block index, engine block)`` picks."""
+        top = {}
+        for g, i, _ in picks:
+            top[g] = max(top.get(g, 0), i + 1)
+        gk = {g: self.group_keys(st, g, n) for g, n in top.items()}
+        return [gk[g][i] for g, i, _ in picks], [b for _, _, b in picks], [g for g, _, _ in picks]
+
     def _pin_groups(self, st: RequestState, num_computed: int, num_external: int, tables) -> tuple[int, tuple]:
         """Pin every non-null block the engine allocated for the hit, in every group, and plan
         their load (asynchronous, all or nothing). Returns (blocks pinned, their tiers)."""
-        G, bs = self.groups, self.bs
-        first, k = num_computed // bs, (num_computed + num_external) // bs
-        keys, ids, groups = [], [], []
-        complete = tables is not None and len(tables) == len(G)
-        for g in G.groups if complete else ():
-            table = tables[g.index]
-            if len(table) < k:
-                complete = False
-                break
-            gk = self.group_keys(st, g.index, k)
-            for i in range(first, k):
-                if table[i]:  # 0: vLLM's null block, the group needs nothing there
-                    keys.append(gk[i])
-                    ids.append(table[i])
-                    groups.append(g.index)
+        first, k = num_computed // self.bs, (num_computed + num_external) // self.bs
+        picks = self.groups.loads(tables, first, k)
+        keys, ids, groups = self._keyed(st, picks or [])
         hid, got = 0, 0
-        if complete:
+        if picks is None:
+            log.warning("kvstore: request %s: block tables %s do not cover the %d-block hit; it is recomputed",
+                        st.req_id, None if tables is None else [len(t) for t in tables], k)
+        else:
             try:
                 hid, got, _ = self.client.begin_load(keys, session=st.req_id, ttl_s=st.ttl)
             except Exception as e:  # promised but not pinned: the worker fails the request
                 self._failed("begin_load", e)
-        else:
-            log.warning("kvstore: request %s: block tables %s do not cover the %d-block hit; it is recomputed",
-                        st.req_id, None if tables is None else [len(t) for t in tables], k)
-        ok = complete and got == len(keys)
+        ok = picks is not None and got == len(keys)
         if ok:
             st.saved_blocks = max(st.saved_blocks, k)
         tiers = tuple(st.origin[i] if i < len(st.origin) else "dram" for i in range(first, k))
@@ -346,23 +342,15 @@ class Planner:
 
     def boundary_states(self, states: dict) -> list[StorePlan]:
         """Store plans for the Mamba states vLLM handed off this step (``{req_id: [(group,
-        block id, boundary tokens)]}``): the state after block ``tokens // block_size - 1``."""
+        block id, boundary tokens)]}``): :meth:`KVGroups.states`."""
         out = []
-        G = self.groups
-        for rid, entries in states.items():
+        for rid, handed in states.items():
             st = self.reqs.get(rid)
-            if G is None or st is None or not st.cacheable or not st.store:
+            if self.groups is None or st is None or not st.cacheable or not st.store:
                 continue
-            keys, ids, groups = [], [], []
-            for g, bid, t in entries:
-                if not bid or t % self.bs or t < self.bs or not 0 <= g < len(G) or G.groups[g].role != "state":
-                    continue
-                gk = self.group_keys(st, g, t // self.bs)
-                if len(gk) == t // self.bs:
-                    keys.append(gk[-1])
-                    ids.append(bid)
-                    groups.append(g)
-            if keys:
+            picks = [(g, i, b) for g, i, b in self.groups.states(handed) if i < len(st.tokens) // self.bs]
+            if picks:
+                keys, ids, groups = self._keyed(st, picks)
                 out.append(StorePlan(rid, ids, keys, ttl=st.ttl, groups=groups))
                 st.had_stores = True
         return out
@@ -536,24 +524,15 @@ class Planner:
 
     def _store_groups(self, plan: StepPlan, st: RequestState, full: int) -> None:
         """The blocks that become full in this step, in every table group that keeps them
-        (``KVGroups.keeps``); a block is stored in the step that computes it, while vLLM still
+        (``KVGroups.stores``); a block is stored in the step that computes it, while vLLM still
         holds it in every group (a sliding-window block is freed soon after)."""
         start = st.saved_blocks
         if full <= start:
             return
-        G, last = self.groups, self._max_blocks(st)
-        keys, ids, groups = [], [], []
-        for g in G.table:
-            table = st.tables[g.index] if g.index < len(st.tables) else []
-            gk = None
-            for i in range(start, min(full, len(table))):
-                if table[i] and G.keeps(g, i, last, st.junction):
-                    gk = gk or self.group_keys(st, g.index, full)
-                    keys.append(gk[i])
-                    ids.append(table[i])
-                    groups.append(g.index)
+        picks = self.groups.stores(st.tables, start, full, self._max_blocks(st), st.junction)
         st.saved_blocks = full
-        if keys:
+        if picks:
+            keys, ids, groups = self._keyed(st, picks)
             plan.stores.append(StorePlan(st.req_id, ids, keys, start, ttl=st.ttl, groups=groups))
             st.had_stores = True
 
