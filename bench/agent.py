@@ -43,7 +43,7 @@ from kvstore.bench import workload as wl
 from kvstore.bench.agent_replay import VirtualClock, default_dir, payload, replay
 from kvstore.bench.agent_report import plot, render
 from kvstore.config import SHIPPED_DIR, from_dict
-from kvstore.tune.trace_memory import RECORDED_KEY, recorded_fields
+from kvstore.trace import RECORDED_KEY, recorded_fields
 
 __all__ = ["BENCH_DEFAULTS", "VirtualClock", "add_args", "default_dir", "main", "payload", "plot", "render", "replay",
            "resolve", "run"]

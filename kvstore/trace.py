@@ -99,7 +99,10 @@ def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
 class TraceWriter:
     """Appends records to a JSONL file; thread-safe; buffered (cheap on the hot path)."""
 
-    def __init__(self, path: str | os.PathLike, flush_every: int = 256):
+    def __init__(self, path: str | os.PathLike, flush_every: int = 256, recorded: dict | None = None):
+        """``recorded``: what records the trace (the store's tiers and its KV block), written into
+        the first line as ``"recorded"``: ``kvstore tune`` takes its budget and block size from it
+        (:func:`kvstore.tune.trace_memory.recorded_fields`; readers that do not know it skip it)."""
         d = os.path.dirname(os.fspath(path))
         if d:
             os.makedirs(d, exist_ok=True)
@@ -108,6 +111,7 @@ class TraceWriter:
         self._lock = threading.Lock()
         self._n = 0
         self.flush_every = flush_every
+        self._recorded = recorded
 
     def write(self, t: float, session: str, blocks: Sequence[bytes], block_tokens: int, prompt_tokens: int,
               output_tokens: int, **optional) -> None:
@@ -117,6 +121,9 @@ class TraceWriter:
         with self._lock:
             if self._f.closed:
                 return
+            if self._recorded is not None:  # the first line says what recorded the trace
+                line = line[:-1] + ',"recorded":' + json.dumps(self._recorded, separators=(",", ":")) + "}"
+                self._recorded = None
             self._f.write(line + "\n")
             self._n += 1
             if self._n % self.flush_every == 0:
@@ -126,3 +133,15 @@ class TraceWriter:
         with self._lock:
             if not self._f.closed:
                 self._f.close()
+
+
+RECORDED_KEY = "recorded"  # an optional field of a line: the config and block that recorded the trace
+
+
+def recorded_fields(tiers: dict, block_bytes: int, block_tokens: int, by: str, **extra) -> dict:
+    """What a trace writer puts under ``"recorded"`` in its first line (extra fields are ignored by
+    every reader, so older ones read such a trace): the store's ``tiers.dram`` and ``tiers.nvme``
+    sections (capacities, TTLs, policies, the NVMe path) and the KV block it stored, which
+    ``kvstore tune`` takes as its default budget, base config and block size."""
+    return {"by": by, "tiers": {t: dict(tiers.get(t) or {}) for t in ("dram", "nvme")},
+            "block_bytes": int(block_bytes), "block_tokens": int(block_tokens), **extra}

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from kvstore.ops.sizing import ModelShape, sizing_line
+from kvstore.store.sizing import ModelShape, sizing_line
 from kvstore.config import load_config
 
 

@@ -202,7 +202,7 @@ def test_each_cache_busting_pattern_through_the_connector(tiny_model, tmp_path):
     genuine exactly."""
     from test_vllm_connector import Engine, prompt
 
-    from kvstore.ops import stats
+    from kvstore.offload import readout as stats
 
     trace = tmp_path / "trace.jsonl"
     block = 128 * 1024  # 4 layers x K,V x 2 heads x 64 x 32 tokens x fp32

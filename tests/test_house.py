@@ -117,6 +117,33 @@ def test_no_import_loop_between_modules():
     assert not loops, f"import loops: {loops[:5]}"
 
 
+LAYERS = {  # a module of the key's folder never imports one of these (the house's floors, top down:
+    # connectors, ops, tune > offload > store > tiers > codecs, kvcopy, the root vocabulary)
+    "kvstore.offload": ("kvstore.ops", "kvstore.tune", "kvstore.connectors"),
+    "kvstore.store": ("kvstore.ops", "kvstore.tune", "kvstore.offload", "kvstore.connectors"),
+    "kvstore.tiers": ("kvstore.ops", "kvstore.tune", "kvstore.offload", "kvstore.store", "kvstore.connectors"),
+    "kvstore.codecs": ("kvstore.ops", "kvstore.tune", "kvstore.offload", "kvstore.store", "kvstore.tiers"),
+    "kvstore.kvcopy": ("kvstore.ops", "kvstore.tune", "kvstore.offload", "kvstore.store", "kvstore.tiers"),
+}
+
+
+def test_calls_go_down_the_floors():
+    """The engine side never imports an operator command (it once imported ``kvstore stats``), a
+    medium never a store rule (``tiers/dram.py`` once imported ``placement.dram_headroom``)."""
+    files = _py("kvstore") + _py("connectors")
+    modules = {_module(p) for p in files} | {m.replace("connectors", "kvstore.connectors", 1)
+                                             for m in map(_module, _py("connectors"))}
+    bad = []
+    for p in files:
+        me = _module(p).replace("connectors", "kvstore.connectors", 1) if p.is_relative_to(ROOT / "connectors") \
+            else _module(p)
+        for floor, above in LAYERS.items():
+            if me == floor or me.startswith(floor + "."):
+                bad += [f"{me} -> {d}" for d in _imports(p, modules) if any(d == a or d.startswith(a + ".")
+                                                                          for a in above)]
+    assert not bad, bad
+
+
 def test_the_root_holds_only_the_face_and_the_vocabulary():
     root = sorted(p.name for p in (ROOT / "kvstore").glob("*.py"))
     assert len(root) <= 8, f"{len(root)} modules in kvstore/ (<= 8: the face and shared vocabulary): {root}"

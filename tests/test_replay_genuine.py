@@ -175,7 +175,7 @@ def test_the_trace_records_the_first_lookup_and_tokens_only_when_asked(worker, t
 
 
 def test_stats_shows_the_split():
-    from kvstore.ops import stats
+    from kvstore.offload import readout as stats
     from kvstore.store.metrics import StoreMetrics
     from kvstore.offload.metrics import OffloadMetrics, RequestOutcome
 

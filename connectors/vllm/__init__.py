@@ -47,7 +47,7 @@ def check_extra_config(extra) -> None:
     import json
     import logging
 
-    from kvstore.ops.check import config_errors
+    from kvstore.store.machine import config_errors
 
     try:
         key = json.dumps(extra, sort_keys=True, default=str)

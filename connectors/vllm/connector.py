@@ -30,8 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore import kvcopy
 from kvstore.config import load_config
-from kvstore.ops.stats import render_engine
-from kvstore.trace import TraceWriter
+from kvstore.offload.readout import render_engine
+from kvstore.store.sizing import sizing_line
+from kvstore.trace import TraceWriter, recorded_fields
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)
 from kvstore.connectors.vllm.model import kv_groups, model_fingerprint
@@ -150,6 +151,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
                                async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
             self.server = StoreServer(self.shared, name)
+            log.info("%s", sizing_line(self.config, block_bytes, self.block_size, self.fingerprint.model))
             self.clock = HookClock(self.shared.metrics.hooks, "worker")
         else:
             # the scheduler asks rank 0's store: in this process if it is here, else over a socket;
@@ -163,7 +165,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self.client = LocalClient(local) if local is not None else RemoteClient(name)
             # in the store's process the counts go straight to its totals; else in each step's plan
             self.clock = HookClock(local.metrics.hooks if local is not None else None, "scheduler")
-            trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
+            trace = TraceWriter(self.config.trace_path, recorded=recorded_fields(
+                self.config.to_dict()["tiers"], block_bytes, self.block_size, "kvstore connector")
+            ) if self.config.trace_path else None
             self.planner = Planner(self.client, self.fingerprint, self.block_size,
                                    # a prefetch promotes NVMe blocks into DRAM; without a DRAM tier there
                                    # is nothing to wait for, so the lookup need not "ask again"

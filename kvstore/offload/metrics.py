@@ -118,7 +118,7 @@ class OffloadMetrics:
                 self.unsupplied_tokens.labels(why).inc(n)
 
     def summary(self) -> dict:
-        """The engine view of :func:`kvstore.ops.stats.summarize` (logged by the connector at shutdown)."""
-        from kvstore.ops.stats import summarize, values
+        """The engine view of :func:`kvstore.offload.readout.summarize` (logged by the connector at shutdown)."""
+        from kvstore.offload.readout import summarize, values
 
         return summarize(values(self.registry))["engine"]

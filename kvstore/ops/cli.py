@@ -181,7 +181,7 @@ def _explain(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> int:
-    from kvstore.ops.check import config_errors
+    from kvstore.store.machine import config_errors
 
     p = _parser("config", "Validate a config (the file, KVSTORE__* environment overrides, and what this machine "
                 "can give it: memory for the DRAM pool, a free metrics port, a usable NVMe folder) and print it "
@@ -199,8 +199,8 @@ def _config(argv: list[str]) -> int:
 
 
 def _size(argv: list[str]) -> int:
-    from kvstore.ops.check import config_errors
-    from kvstore.ops.sizing import SHAPE_FORMAT, ModelShape, fmt_bytes, sizing_line
+    from kvstore.store.machine import config_errors
+    from kvstore.store.sizing import SHAPE_FORMAT, ModelShape, fmt_bytes, sizing_line
 
     p = _parser("size", "What a config keeps of a model. Rule of thumb: KV bytes per token = 2 (K, V) x layers x "
                 "KV heads x head size x bytes per element; a tier keeps capacity / (bytes per token x block "

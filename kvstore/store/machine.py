@@ -24,8 +24,9 @@ import errno
 import os
 import socket
 from pathlib import Path
+from typing import Mapping
 
-from kvstore.config import GiB, ConfigError, StoreConfig
+from kvstore.config import GiB, ConfigError, StoreConfig, load_config
 from kvstore.tiers.dram.pool import unprepared_bytes
 
 MEMINFO = "/proc/meminfo"
@@ -195,3 +196,20 @@ def nvme_error(cfg: StoreConfig) -> ConfigError | None:
 def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
     """Every check above (for ``kvstore config``)."""
     return [e for e in (dram_error(cfg), port_error(cfg.metrics.port), nvme_error(cfg)) if e is not None]
+
+
+def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | None = None, *,
+                  ports: bool = True) -> tuple[StoreConfig | None, list[ConfigError]]:
+    """Every problem of a config at once, its keys' and this machine's: what ``kvstore config``
+    prints, and what the vLLM plugin (``kvstore.connectors.vllm.register``) checks in the process
+    that builds vLLM's config, before any model loads. (the config, or None where the file cannot
+    be read; every error, one per key, in order).
+    ``ports=False`` leaves ``metrics.port`` to the store's own bind (a process that will run a
+    store of its own on that port must not find it "in use" by itself)."""
+    errors: list[ConfigError] = []
+    cfg = load_config(path, overrides=overrides, errors=errors)
+    if cfg is not None:  # the machine's checks, for keys not already bad
+        bad = {e.key for e in errors}
+        machine = [dram_error(cfg), nvme_error(cfg)] + ([port_error(cfg.metrics.port)] if ports else [])
+        errors += [e for e in machine if e is not None and e.key not in bad]
+    return cfg, errors

@@ -157,7 +157,7 @@ def _sources(a, trace) -> tuple[dict, str, int, str]:
     if a.block_bytes is not None:
         bb, how = a.block_bytes, "--block-bytes"
     elif a.model_shape:
-        from kvstore.ops.sizing import ModelShape
+        from kvstore.store.sizing import ModelShape
 
         shape = ModelShape.parse(a.model_shape)
         bb, how = shape.block_bytes(bt), f"--model-shape: {shape.describe()}, x {bt} tokens"

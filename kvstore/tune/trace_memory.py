@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import xxhash
 
-from kvstore.trace import TraceError, TraceRecord
+from kvstore.trace import RECORDED_KEY, TraceError, TraceRecord, recorded_fields  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -98,18 +98,6 @@ def from_records(records: Iterable) -> Trace:
         else:
             rows.append((r.t, r.session, list(r.blocks), r.block_tokens, r.prompt_tokens, r.output_tokens))
     return _build(rows)
-
-
-RECORDED_KEY = "recorded"  # an optional field of a line: the config and block that recorded the trace
-
-
-def recorded_fields(tiers: dict, block_bytes: int, block_tokens: int, by: str, **extra) -> dict:
-    """What a trace writer puts under ``"recorded"`` in its first line (extra fields are ignored by
-    every reader, so older ones read such a trace): the store's ``tiers.dram`` and ``tiers.nvme``
-    sections (capacities, TTLs, policies, the NVMe path) and the KV block it stored, which
-    ``kvstore tune`` takes as its default budget, base config and block size."""
-    return {"by": by, "tiers": {t: dict(tiers.get(t) or {}) for t in ("dram", "nvme")},
-            "block_bytes": int(block_bytes), "block_tokens": int(block_tokens), **extra}
 
 
 def _recorded(d: dict, path, i: int) -> dict:

@@ -1,0 +1,161 @@
+"""The hit-rate readout of a store's and an engine's metrics: what ``kvstore stats`` prints
+(:mod:`kvstore.ops.stats` fetches the samples) and the connector logs at shutdown.
+
+With the vLLM connector, the hit rate is **served / (prompt - engine-local)**: the tokens
+kvstore loaded into the engine, over the prompt tokens the engine did not already hold. Tokens
+kvstore held that the engine already had are shown apart, never as hits. Without an engine (a
+benchmark, a replay), the store's own lookups are summarized: found / looked up.
+
+Served tokens are split into *replay* (the exact prompt was seen before) and *genuine* reuse
+(a new prompt sharing a stored prefix; kvstore.offload.replay): a hit rate built on replays
+(a staging test resending the same prompts) says little about production traffic.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.store.metrics import KINDS, TIERS
+
+HIT_RATE_MEANS = "served / (prompt - engine-local hits)"
+HELD_NOT_SERVED = ("kvstore has these blocks, but vLLM's own prefix cache answered first: to see kvstore serve "
+                   "them, send the prompt again after a restart, or after POST /reset_prefix_cache "
+                   "(VLLM_SERVER_DEV_MODE=1)")
+
+
+def _key(name: str, labels: dict) -> tuple:
+    return name, tuple(sorted(labels.items()))
+
+
+def parse(text: str) -> dict:
+    vals = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            vals[_key(s.name, s.labels)] = s.value
+    return summarize(vals)
+
+
+def values(registry: CollectorRegistry) -> dict:
+    """The registry's samples, keyed like :func:`parse`'s."""
+    return {_key(s.name, s.labels): s.value for fam in registry.collect() for s in fam.samples}
+
+
+def _get(vals: dict, name: str, **labels) -> float:
+    return vals.get(_key(name, labels), 0.0)
+
+
+def _by(vals: dict, name: str, label: str) -> dict[str, float]:
+    return {dict(l)[label]: v for (n, l), v in vals.items() if n == name and label in dict(l)}
+
+
+def _by_kind(vals: dict) -> dict[str, dict[str, float]]:
+    """kind -> tier -> served tokens (kvstore_engine_served_tokens_by_kind_total)."""
+    out: dict[str, dict[str, float]] = {k: {t: 0.0 for t in TIERS} for k in KINDS}
+    for (n, l), v in vals.items():
+        d = dict(l)
+        if n == "kvstore_engine_served_tokens_by_kind_total" and d.get("kind") in out and d.get("tier") in TIERS:
+            out[d["kind"]][d["tier"]] += v
+    return out
+
+
+def engine_summary(vals: dict) -> dict | None:
+    """Token accounting of the vLLM connector, or None if no engine metrics are present."""
+    if not any(n == "kvstore_engine_prompt_tokens_total" for n, _ in vals):
+        return None
+    prompt = _get(vals, "kvstore_engine_prompt_tokens_total")
+    local = _get(vals, "kvstore_engine_local_hit_tokens_total")
+    served = {t: 0.0 for t in TIERS} | _by(vals, "kvstore_engine_served_tokens_total", "tier")
+    held = {t: 0.0 for t in TIERS} | _by(vals, "kvstore_engine_held_tokens_total", "tier")
+    unsupplied = _by(vals, "kvstore_engine_unsupplied_tokens_total", "reason")
+    needed = prompt - local
+    total = sum(served.values())
+    kinds = _by_kind(vals)
+    kind_total = {k: sum(v.values()) for k, v in kinds.items()}
+    return {
+        "requests": int(_get(vals, "kvstore_engine_requests_total")),
+        "prompt_tokens": int(prompt),
+        "engine_local_hit_tokens": int(local),
+        "needed_tokens": int(needed),
+        "served_tokens": {t: int(v) for t, v in served.items()},
+        "held_tokens": {t: int(v) for t, v in held.items()},
+        "unsupplied_tokens": {r: int(v) for r, v in sorted(unsupplied.items(), key=lambda kv: -kv[1]) if v},
+        "stored_blocks": int(_get(vals, "kvstore_engine_stored_blocks_total")),
+        "hit_rate": total / needed if needed > 0 else 0.0,
+        "hit_rate_by_tier": {t: (v / needed if needed > 0 else 0.0) for t, v in served.items()},
+        "hit_rate_means": HIT_RATE_MEANS,
+        # served tokens by kind and tier; hit rates over the same denominator (they sum to hit_rate)
+        "served_tokens_by_kind": {k: {t: int(n) for t, n in v.items()} for k, v in kinds.items()},
+        "hit_rate_by_kind": {k: (v / needed if needed > 0 else 0.0) for k, v in kind_total.items()},
+        "replay_share_of_served": kind_total["replay"] / total if total > 0 else 0.0,
+    }
+
+
+def summarize(vals: dict) -> dict:
+    lookup = _get(vals, "kvstore_lookup_tokens_total")
+    tiers = sorted(_by(vals, "kvstore_tier_blocks", "tier"))
+    hits = {t: _get(vals, "kvstore_lookup_hit_tokens_total", tier=t) for t in tiers}
+    total_hit = sum(hits.values())
+    return {
+        "engine": engine_summary(vals),
+        "lookups": {
+            "lookup_tokens": lookup,
+            "hit_tokens": total_hit,
+            "hit_rate": total_hit / lookup if lookup else 0.0,
+            "hit_rate_by_tier": {t: (h / lookup if lookup else 0.0) for t, h in hits.items()},
+            "miss_tokens_by_reason": _by(vals, "kvstore_lookup_miss_tokens_total", "reason"),
+        },
+        "tiers": {t: {"blocks": _get(vals, "kvstore_tier_blocks", tier=t),
+                      "bytes": _get(vals, "kvstore_tier_used_bytes", tier=t),
+                      "capacity_bytes": _get(vals, "kvstore_tier_capacity_bytes", tier=t),
+                      "evictions": _get(vals, "kvstore_tier_evicted_blocks_total", tier=t),
+                      "expirations": _get(vals, "kvstore_tier_expired_blocks_total", tier=t)} for t in tiers},
+        "corrupt_files": sum(v for (n, _), v in vals.items() if n == "kvstore_corrupt_files_total"),
+    }
+
+
+def render_engine(e: dict) -> list[str]:
+    lines = [f"kvstore hit rate: {e['hit_rate']:.1%} = {HIT_RATE_MEANS} = {sum(e['served_tokens'].values())} / "
+             f"({e['prompt_tokens']} - {e['engine_local_hit_tokens']}) tokens, {e['requests']} requests"]
+    for t, r in e["hit_rate_by_tier"].items():
+        lines.append(f"  served from {t:6s} {r:6.1%}  ({e['served_tokens'][t]} tokens)")
+    kinds = e.get("served_tokens_by_kind")
+    if kinds and any(sum(v.values()) for v in kinds.values()):
+        for k in ("replay", "genuine"):
+            by_tier = ", ".join(f"{t} {n}" for t, n in kinds[k].items() if n) or "none"
+            lines.append(f"  {k:17s} {e['hit_rate_by_kind'][k]:6.1%}  ({sum(kinds[k].values())} tokens: {by_tier})")
+        lines.append(f"  (replay: the exact prompt was seen before, {e['replay_share_of_served']:.1%} of served; "
+                     "genuine: a new prompt sharing a stored prefix)")
+    held = sum(e["held_tokens"].values())
+    if held:
+        lines.append("held by kvstore but already in the engine's prefix cache (not hits): "
+                     + ", ".join(f"{t} {n}" for t, n in e["held_tokens"].items() if n))
+        if not sum(e["served_tokens"].values()):
+            lines.append(f"  ({HELD_NOT_SERVED})")
+    if e["unsupplied_tokens"]:
+        lines.append("computed by the engine (tokens), by why kvstore could not supply them:")
+        for k, v in e["unsupplied_tokens"].items():
+            lines.append(f"  {k:13s} {v}")
+    lines.append(f"blocks stored from the engine: {e['stored_blocks']}")
+    return lines
+
+
+def render(s: dict) -> str:
+    lines = render_engine(s["engine"]) if s["engine"] else []
+    lk = s["lookups"]
+    if lk["lookup_tokens"] or not s["engine"]:
+        lines.append(f"store lookups (direct callers): {lk['hit_rate']:.1%} of {int(lk['lookup_tokens'])} "
+                     "tokens found")
+        for t, r in lk["hit_rate_by_tier"].items():
+            lines.append(f"  {t:5s} {r:.1%}")
+        if lk["miss_tokens_by_reason"]:
+            lines.append("  misses (tokens) by reason:")
+            for k, v in sorted(lk["miss_tokens_by_reason"].items(), key=lambda kv: -kv[1]):
+                lines.append(f"    {k:13s} {int(v)}")
+    for t, d in s["tiers"].items():
+        cap = d["capacity_bytes"] or 1
+        lines.append(f"{t}: {int(d['blocks'])} blocks, {d['bytes'] / 2**20:.1f} MiB "
+                     f"({d['bytes'] / cap:.0%} of capacity), {int(d['evictions'])} evicted, "
+                     f"{int(d['expirations'])} expired")
+    lines.append(f"corrupt files dropped: {int(s['corrupt_files'])}")
+    return "\n".join(lines)
