@@ -232,13 +232,17 @@ def test_dram_tier_admits_blocks_while_preparing(clock):
     n = PER_CHUNK * 200
     t = _tier(n, clock)
     try:
-        i, t0 = 0, time.monotonic()
+        i, longest = 0, 0.0
         while not t.ready:
+            t0 = time.monotonic()
             assert t.put([_key(i)], [_block(i)]) == 1
+            longest = max(longest, time.monotonic() - t0)
             i += 1
             with t.lock:
                 assert len(t) * SLOT <= t.capacity_bytes <= t.pool.ready_slots * SLOT
-        assert time.monotonic() - t0 < 5 and t.stats.get("no_room", 0) == 0
+        # each put is bounded, not the whole preparation (8 s on the 2-core CI): a put never waits
+        # for the pool, it takes the slots that are ready
+        assert longest < 5 and t.stats.get("no_room", 0) == 0
         assert t.wait_ready(5) and t.capacity_bytes == t.target_capacity_bytes
         check_tier(t)
     finally:
