@@ -158,8 +158,18 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--layouts", action="store_true", help="steady-state file layouts instead of the tier profile")
     p.add_argument("--full", action="store_true", help="a full cache: every block written evicts one")
+    p.add_argument("--scan", type=int, default=0, metavar="N", help="the restart scan's time for N block files "
+                   "(--scan-kib each; both header layouts) instead of the profile")
+    p.add_argument("--scan-kib", type=int, default=4)
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstore-prof-", dir=a.dir) as d:
+        if a.scan:
+            for header in ("xattr", "inline"):
+                r = scan_time(a.scan, a.scan_kib << 10, d, header, a.repeats)
+                print(f"restart scan, {r['files']} block files of {a.scan_kib} KiB ({header} headers): "
+                      f"{' '.join(f'{t:.2f}' for t in r['seconds'])} s ({r['us_per_file']:.0f} us a file, median); "
+                      f"indexed {r['indexed']}, dropped {r['dropped']}; written in {r['write_s']:.1f} s")
+            return
         if a.layouts:
             for mib in [float(x) for x in a.block_mib.split(",")]:
                 for name, runs in layouts(int(mib * 2**20), a.total_mb << 20, d, a.io_threads, a.repeats).items():
@@ -170,6 +180,41 @@ def main(argv=None) -> None:
             for c in [int(x) for x in a.callers.split(",")]:
                 _print(mib, c, profile(int(mib * 2**20), c, a.total_mb << 20, d, a.io_threads, repeats=a.repeats,
                                        full=a.full))
+
+
+def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repeats: int = 3) -> dict:
+    """Write ``n`` block files (the engine, batches of 256), then time a tier's start-up scan of
+    them ``repeats`` times (a new tier each time: headers read, files checked, the index rebuilt;
+    the page cache as the writes left it, warm)."""
+    from kvstore.tiers.nvme import NvmeTier
+
+    ns = os.urandom(16)
+    cap = 2 * n * (block_bytes + ff.HEADER_BYTES)
+    mk = lambda: NvmeTier(path=folder, namespace=ns, capacity_bytes=cap, ttl_s=None, policy="lru",  # noqa: E731
+                          block_bytes=block_bytes, header=header, engine="auto")
+    t = mk()
+    _m, flat = alloc_aligned(256 * block_bytes)
+    src = flat.reshape(256, block_bytes)
+    src[:] = 9
+    t0 = time.perf_counter()
+    for s in range(0, n, 256):
+        ks = [os.urandom(16) for _ in range(min(256, n - s))]
+        es = t.reserve(ks)
+        t.commit(es, t.write_many(es, list(src[: len(ks)])))
+    write_s = time.perf_counter() - t0
+    t.close()
+    secs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        t = mk()
+        secs.append(time.perf_counter() - t0)
+        indexed, dropped = len(t.index.entries), t.stats["dropped_at_scan"]
+        t.close()
+    import shutil
+
+    shutil.rmtree(t.root, ignore_errors=True)
+    return {"files": n, "seconds": secs, "us_per_file": statistics.median(secs) / n * 1e6, "indexed": indexed,
+            "dropped": dropped, "write_s": write_s}
 
 
 # -- layouts: what one block file per block costs in steady state (a full cache: every new block

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from kvstore.bench import stores
-from kvstore.bench.limits import memcpy_rows_s, odirect_gbps, odirect_rows_s
+from kvstore.bench.limits import memcpy_rows_s, odirect_rows_s, odirect_seq_rows_gbps
 from kvstore.bench.tiers_ops import (cpu_s, fingerprint, nbytes_gb, not_measured, pct, put_then_get, run_op,
                                      timed_get)
 from kvstore.keys import chain_keys
@@ -56,9 +56,9 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
     rotated order each round, so a busy machine slows every side of each ratio alike. Paths: the
     store ("store"), on NVMe the batched engine on the tier ("blockio", ``--nvme-paths``), and the
     peer ("lmcache", ``--peer``). DRAM limit: one-thread-per-caller memcpy of the same rows, one
-    block per copy. NVMe limit: the better of a dd-style O_DIRECT sequential write/read (4 MiB,
-    queue depth 1) and an O_DIRECT write/read of the same rows, one block per I/O, at the store's
-    I/O parallelism (``io_threads``)."""
+    block per copy. NVMe limit: the better of a dd-style O_DIRECT sequential write/read of the same
+    rows (4 MiB at a time, queue depth 1, from and into the same memory) and an O_DIRECT write/read
+    of the same rows, one block per I/O, at the store's I/O parallelism (``io_threads``)."""
     if tier == "remote":
         from kvstore.bench.tiers_remote import measure_remote
 
@@ -90,7 +90,7 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
             lim["get"].append(rd)
             lim["put_full"].append(w)
             lim["put_full_over"].append(ow[0])  # a full cache's files are overwritten: its limit may be this
-            sw, sr, _ = odirect_gbps(folder, n * bb, repeats=1)  # GB/s
+            sw, sr = odirect_seq_rows_gbps(folder, src, out)  # GB/s: dd-style, the same rows and memory
             lim["put_seq"].append(sw)
             lim["put_full_seq"].append(sw)
             lim["get_seq"].append(sr)

@@ -101,6 +101,21 @@ def test_tiers_nvme_paths_share_each_limit(tmp_path):
     assert not list(tmp_path.glob("*/kvstore-*/*/*/*.kvb"))  # each path's files removed after its round
 
 
+def test_the_sequential_limit_moves_the_rows_themselves(tmp_path):
+    """The dd-style NVMe limit writes the bench's rows and reads them back into its output rows (the
+    same memory a store fills), not one reused buffer; its file is gone after."""
+    from kvstore.bench.limits import odirect_seq_rows_gbps
+    from kvstore.tiers.dram.pool import alloc_aligned
+
+    _m1, src = alloc_aligned(24 << 20)
+    _m2, dst = alloc_aligned(24 << 20)
+    src[:] = np.random.default_rng(0).integers(0, 256, src.shape, dtype=np.uint8)
+    dst[:] = 0
+    w, r = odirect_seq_rows_gbps(str(tmp_path), src.reshape(12, -1), dst.reshape(12, -1))
+    assert w > 0 and r > 0 and np.array_equal(src, dst)
+    assert not os.listdir(tmp_path)
+
+
 def test_tiers_codec_hook_reports_what_it_cannot_measure(tmp_path):
     data = tiers.run(_args(tiers, ["--total-mb", "4", "--block-tokens", "16", "--layers", "1", "--concurrency", "1",
                                    "--repeats", "1", "--batch", "4", "--tiers", "dram", "--codecs", "none,nonsense",

@@ -249,16 +249,18 @@ class NvmeTier(LocalTier):
     def write_many(self, entries, srcs) -> list[bool]:
         """:meth:`write` for each, through the batched native engine when it is on (:mod:`.blockio`:
         the same files; what it does not take goes through :meth:`write`)."""
-        if self.engine is None or len(entries) < 2:
+        engine = self.engine  # (None once closed)
+        if engine is None or len(entries) < 2:
             return [self.write(e, s) for e, s in zip(entries, srcs)]
-        return self.engine.write(self, entries, srcs)
+        return engine.write(self, entries, srcs)
 
     def read_many(self, entries, outs) -> list[bool]:
         """:meth:`read` for each, through the engine when it is on (what it does not find whole
         and good goes through :meth:`read`, which decides)."""
-        if self.engine is None or len(entries) < 2:
+        engine = self.engine  # (None once closed)
+        if engine is None or len(entries) < 2:
             return [self.read(e, o) for e, o in zip(entries, outs)]
-        return self.engine.read(self, entries, outs)
+        return engine.read(self, entries, outs)
 
     # -- a full disk or a read-only file system: a smaller cache, probed again later ----------------
     def _lower_capacity(self, failed: Entry | None, why: str) -> None:
