@@ -38,7 +38,8 @@ def engine_config(model: str, extra: dict, **kw):
 
 class _Records(logging.Handler):
     """What the plugin logs, read from its logger (vLLM's handler keeps the stream it found when it
-    was made, which pytest's capture fixtures do not see once an earlier test made it)."""
+    was made, which pytest's capture fixtures do not see once an earlier test made it). Added after
+    vLLM configured its logging: its dictConfig empties the handlers of existing ``vllm.*`` loggers."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
@@ -52,7 +53,6 @@ def test_the_config_is_checked_where_vllm_builds_its_config(tiny_model, tmp_path
     from kvstore.connectors.vllm import KVStoreConfigError
 
     seen = _Records()
-    logging.getLogger("vllm.kvstore").addHandler(seen)
     try:
         _check_the_config(tiny_model, tmp_path, seen, KVStoreConfigError)
     finally:
@@ -65,7 +65,7 @@ def _check_the_config(tiny_model, tmp_path, seen, KVStoreConfigError):
         engine_config(tiny_model, {"config": "agnet"})
     assert e.value.error.key == "config" and "agent, default" in str(e.value)
     assert not isinstance(e.value, ValueError)  # else pydantic would wrap it in a ValidationError
-    del seen.lines[:]
+    logging.getLogger("vllm.kvstore").addHandler(seen)  # vLLM's logging is configured by now
     bad = {"config": "agent", "tiers": {"dram": {"capacity_gb": 100000, "polcy": "lru"}, "nvme": {"ttl_s": 0}}}
     with pytest.raises(KVStoreConfigError) as e:
         engine_config(tiny_model, bad)
