@@ -133,6 +133,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nr-repeats", type=int, default=5,
                    help="no-reuse rounds (a fresh engine per configuration each round; 0 = skip the no-reuse run)")
     p.add_argument("--nr-prompts", type=int, default=16, help="no-reuse: distinct prompts per batch")
+    p.add_argument("--nr-control", action=argparse.BooleanOptionalAction, default=True,
+                   help="no-reuse: also run vLLM without a connector a second time each round (the "
+                        "control row: the spread a round shows with no kvstore at all)")
     p.add_argument("--nr-prefill-tokens", type=int, default=2048, help="no-reuse prefill_heavy: tokens per prompt")
     p.add_argument("--nr-decode-prompt", type=int, default=128, help="no-reuse decode_heavy: tokens per prompt")
     p.add_argument("--nr-decode-output", type=int, default=512, help="no-reuse decode_heavy: output tokens per prompt")
@@ -201,7 +204,7 @@ def run(a: argparse.Namespace) -> dict:
         raise SystemExit(f"--cases: unknown {sorted(bad)}; choose from {TTFT_CASES + GROUPS}")
     te_lengths = lengths if "two_engines" in named and a.te_repeats > 0 and a.arch == "llama" else []
     only_groups = bool(named) and named <= set(GROUPS)  # e.g. --cases two_engines: that group alone
-    if only_groups:
+    if only_groups or a.ttft_rounds <= 0:  # --ttft-rounds 0: no TTFT table (the other runs alone)
         lengths = []
     do_mt = a.mt_repeats > 0 and a.mt_clients > 0 and a.mt_turns > 0 and not only_groups
     do_nr = a.nr_repeats > 0 and a.nr_prompts > 0 and not only_groups
@@ -231,7 +234,10 @@ def run(a: argparse.Namespace) -> dict:
 
     ttft_runs = [(c, d) for c in ttft_cases for d in per_design(c)]  # one engine each; a case's designs side by side
     mt_runs = [(c, d) for c in mt_cases for d in per_design(c)]
-    nr_configs = ([("vllm", None)] + ([("kvstore", d) for d in designs] if "kvstore_dram" in want else [])
+    # ("vllm", "again"): vLLM without a connector a second time each round, the control: its paired
+    # ratios are the machine's own round-to-round spread (0.90-1.10 on the 2-core VM), beside the tax
+    nr_configs = ([("vllm", None)] + ([("vllm", "again")] if a.nr_control else [])
+                  + ([("kvstore", d) for d in designs] if "kvstore_dram" in want else [])
                   + [(p, None) for p in live_peers]) if do_nr else []
     times: dict[tuple, list[float]] = {}
     by_round: dict[tuple, dict[int, list[float]]] = {}  # (case, design, n) -> round -> TTFTs

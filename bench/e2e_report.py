@@ -172,7 +172,9 @@ def render(data: dict) -> str:
                    f"tokens each, {p['nr_decode_output']} output tokens. {p['nr_repeats']} rounds, a fresh engine "
                    "per configuration each round, the order rotated; medians; x vLLM = median of the rounds' "
                    "paired ratios; x vLLM CPU = the same on the process's CPU seconds (vLLM's over kvstore's: "
-                   "kvstore's own work, less moved by other tenants of a shared machine). Goal: kvstore x vLLM "
+                   "kvstore's own work, less moved by other tenants of a shared machine). vllm again = vLLM "
+                   "without a connector a second time in each round: the spread of the rounds with no kvstore "
+                   "at all. Goal: kvstore x vLLM "
                    f"{GOALS['no_reuse']['op']} {GOALS['no_reuse']['limit']:g}.\n")
         rows = [{**r, "goal": _goal_text(r.get("goal")),
                  "per_round": " / ".join(f"{x:.3f}" for x in r["x_vllm_runs"]),
