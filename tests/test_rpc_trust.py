@@ -312,8 +312,11 @@ def test_300_stalled_clients_do_not_make_300_threads(run_dir, shared):
         for _ in range(300):
             s = socket.socket(socket.AF_UNIX)
             s.connect(server.path)
-            s.sendall(b"\x10\x00")  # half a length prefix, then nothing
             socks.append(s)
+            try:
+                s.sendall(b"\x10\x00")  # half a length prefix, then nothing
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused (full) and closed by the server before the send: what is asserted below
         assert wait_until(lambda: server.refused["full"] + len(server.server.live) == 300)
         peak = tasks()
         assert peak - base <= rpc.MAX_CONNECTIONS + 2, (base, peak)  # was 300 threads (305 in all)
