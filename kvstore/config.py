@@ -8,6 +8,7 @@ Schema (public; the tuner writes it, the connector reads it)::
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads, load_only_if_faster}
     metrics: {port}
+    events: {dram, nvme, remote}: {medium, locality}
     trace_path: null
     trace_tokens: false
 
@@ -164,6 +165,47 @@ class IoConfig:
     load_only_if_faster: bool = _f(True, F.choice, choices=BOOL)
 
 
+# KV events (issue 32): vLLM's media names (vllm.distributed.kv_events: MEDIUM_GPU/CPU/STORAGE) and
+# BlockStored/BlockRemoved's ``locality`` (vLLM 0.32 carries it: LOCAL or REMOTE to the publisher)
+MEDIA = ("CPU", "STORAGE", "GPU")
+LOCALITIES = ("LOCAL", "REMOTE")
+_OFF = dict(null="the tier is not announced")
+_UNSPECIFIED = dict(null="unspecified")
+
+
+@dataclass(frozen=True)
+class DramEvents:
+    """How the DRAM tier's blocks are announced on vLLM's KV-event stream."""
+
+    medium: str | None = _f("CPU", F.word, choices=MEDIA, **_OFF)
+    locality: str | None = _f("LOCAL", F.word, choices=LOCALITIES, **_UNSPECIFIED)
+
+
+@dataclass(frozen=True)
+class NvmeEvents:
+    medium: str | None = _f("STORAGE", F.word, choices=MEDIA, **_OFF)
+    locality: str | None = _f("LOCAL", F.word, choices=LOCALITIES, **_UNSPECIFIED)
+
+
+@dataclass(frozen=True)
+class RemoteEvents:
+    """Off unless asked: every engine sharing the Redis tier would announce the same blocks, and
+    Redis evicts on its own (no removal is seen)."""
+
+    medium: str | None = _f(None, F.word, choices=MEDIA, **_OFF)
+    locality: str | None = _f("REMOTE", F.word, choices=LOCALITIES, **_UNSPECIFIED)
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """Per tier: the ``medium`` and ``locality`` its BlockStored/BlockRemoved events carry on vLLM's
+    KV-event stream (``--kv-events-config``); medium null: not announced."""
+
+    dram: DramEvents = _sec(DramEvents)
+    nvme: NvmeEvents = _sec(NvmeEvents)
+    remote: RemoteEvents = _sec(RemoteEvents)
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     port: int | None = _f(None, F.integer, minimum=1, maximum=65535, allow_none=True)
@@ -174,6 +216,7 @@ class StoreConfig:
     tiers: TiersConfig = _sec(TiersConfig)
     io: IoConfig = _sec(IoConfig)
     metrics: MetricsConfig = _sec(MetricsConfig)
+    events: EventsConfig = _sec(EventsConfig)
     trace_path: str | None = _f(None, F.path, what="file")
     trace_tokens: bool = _f(False, F.choice, choices=BOOL)  # the trace keeps each prompt's token ids (opt-in)
 

@@ -89,6 +89,16 @@ def choice(key: str, v: Any, choices: tuple | Callable[[], tuple]) -> Any:
     raise ConfigError(key, v, " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices))
 
 
+def word(key: str, v: Any, *, choices: tuple[str, ...], null: str) -> str | None:
+    """One of ``choices`` (vLLM's own names, kept upper case; any case is taken), or null (``null``
+    says what null means)."""
+    if v is None:
+        return None
+    if isinstance(v, str) and v.strip().upper() in choices:
+        return v.strip().upper()
+    raise ConfigError(key, v, " | ".join(choices) + f" | null ({null})")
+
+
 def path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
     if v is not None and (not isinstance(v, str) or not v.strip() or "\0" in v):
         raise ConfigError(key, v, f"a {what} path (string, no NUL bytes) or null")

@@ -35,6 +35,7 @@ from kvstore.store.sizing import sizing_line
 from kvstore.trace import TraceWriter, recorded_fields
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)
+from kvstore.connectors.vllm.events import KVStoreEvents, block_metas, events_enabled, vllm_events
 from kvstore.connectors.vllm.model import kv_groups, model_fingerprint
 from kvstore.offload.groups import STATE, KVGroups
 from kvstore.offload.hooktime import IDLE_HOOK, HookClock, timed
@@ -132,6 +133,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.client = None
         self.clock: HookClock | None = None  # the hooks' time on the engine's thread (kvstore.offload.hooktime)
         self._closed = False
+        # KV events (kvstore.connectors.vllm.events): on when vLLM publishes its own
+        self.events_on = events_enabled(vllm_config)
+        self._requests: dict[str, Any] = {}  # scheduler: the requests whose blocks are named in events
+        self._events: list = []  # scheduler: the workers' events, until vLLM takes them
         if self.off is not None:  # the engine runs as without a connector; nothing is stored
             if self.off not in _logged_off:
                 log.warning("kvstore: %s; the connector stores nothing for this model", self.off)
@@ -147,7 +152,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER:
             # the worker owns the store (bytes and index) and serves the scheduler's lookups
             name = f"{engine}/tp{self.fingerprint.tp_rank}"
-            self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size)
+            self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size,
+                                         events=self.events_on)
             self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
                                async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
             self.server = StoreServer(self.shared, name)
@@ -316,6 +322,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                 session=str(getattr(request, "cache_salt", None) or ""))
         if new:  # retention hints (kvstore.offload.hints): a bad one is logged, the config applies
             st.ttl, st.store = hints.parse(getattr(request, "kv_transfer_params", None), request.request_id)
+            if self.events_on:
+                self._requests[request.request_id] = request
         n = self.planner.lookup(st, num_computed_tokens)
         return n, bool(n and st.load_async)  # blocks below DRAM: the request waits, others run
 
@@ -349,14 +357,46 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         handed = getattr(state, "boundary_state_offloads", None) if self.groups.state else None
         plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens), handed)
+        if self.events_on:
+            self._name_blocks(plan)
         plan.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         plan.idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.clock is not None and not self.clock.attached:
             plan.hook_s = self.clock.take()  # the scheduler's hook time since the last plan
         return KVStoreMetadata(plan)
 
+    def _name_blocks(self, plan: StepPlan) -> None:
+        """vLLM's names of the blocks the step stores, for the KV events (kvstore.connectors.vllm.events)."""
+        hbs = getattr(self._kv_cache_config, "hash_block_size", None)
+        for sp in plan.stores:
+            req = self._requests.get(sp.req_id)
+            if req is not None:
+                pos = sp.positions or list(range(sp.start, sp.start + len(sp.keys)))
+                sp.meta = block_metas(req, pos, sp.groups, self.block_size, hbs)
+
+    @timed
+    def get_kv_connector_kv_cache_events(self) -> KVStoreEvents | None:
+        """Worker: what became servable in, or left, each tier since the last step (rank 0 only:
+        every rank stores the same blocks)."""
+        if not self.events_on or self.shared is None or self.fingerprint.tp_rank != 0:
+            return None
+        records = self.shared.store.take_events()
+        if not records:
+            return None
+        events = vllm_events(records, self.config.events, self.block_size)
+        return KVStoreEvents(events) if events else None
+
+    @timed
+    def take_events(self):
+        """Scheduler: the workers' events since the last step, published with vLLM's own."""
+        out, self._events = self._events, []
+        return out
+
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)
+        ev = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(ev, KVStoreEvents):
+            self._events.extend(ev.get_all_events())
         failed = getattr(connector_output, "failed_recving", None)
         if failed and self.planner is not None:  # never offered the same failing hit again
             self.planner.load_failed(failed)
@@ -364,6 +404,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @timed
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: a store of its blocks may still be copying; vLLM frees them on finished_sending
+        self._requests.pop(request.request_id, None)
         delay = self.planner.finished(request.request_id) if self.planner is not None else False
         return delay, None
 
@@ -371,6 +412,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Every group's blocks stay until the worker reports the request's stores done."""
+        self._requests.pop(request.request_id, None)
         delay = self.planner.finished(request.request_id) if self.planner is not None else False
         return delay, None
 

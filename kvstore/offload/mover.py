@@ -254,8 +254,11 @@ class Mover:
             failed = set()
         groups: dict[float | None, tuple[list[bytes], list[int], list[str], list[int]]] = {}
         skipped = 0
+        events = self.store.events
         for sp in plan.stores:
             n = self._good_part(sp, failed) if failed else len(sp.block_ids)
+            if sp.meta and events is not None:  # their names on the KV-event stream (kvstore.store.events)
+                events.remember(sp.keys[:n], sp.meta[:n])
             skipped += len(sp.block_ids) - n
             keys, ids, reqs, gs = groups.setdefault(sp.ttl, ([], [], [], []))
             keys.extend(sp.keys[:n])

@@ -94,6 +94,8 @@ class StorePlan:
     prior_ids: list[int] = field(default_factory=list)  # block_ids before ``start`` (steps that load)
     ttl: float | None = None  # the request's retention hint (idle TTL), None = the config's
     groups: list[int] = field(default_factory=list)  # KV cache group of each block (empty: all group 0)
+    positions: list[int] = field(default_factory=list)  # each block's index in the request (empty: start, start+1 ...)
+    meta: list = field(default_factory=list)  # each block's engine name for KV events (kvstore.store.events.BlockMeta)
 
 
 @dataclass
@@ -351,7 +353,7 @@ class Planner:
             picks = [(g, i, b) for g, i, b in self.groups.states(handed) if i < len(st.tokens) // self.bs]
             if picks:
                 keys, ids, groups = self._keyed(st, picks)
-                out.append(StorePlan(rid, ids, keys, ttl=st.ttl, groups=groups))
+                out.append(StorePlan(rid, ids, keys, ttl=st.ttl, groups=groups, positions=[i for _, i, _ in picks]))
                 st.had_stores = True
         return out
 
@@ -533,7 +535,8 @@ class Planner:
         st.saved_blocks = full
         if picks:
             keys, ids, groups = self._keyed(st, picks)
-            plan.stores.append(StorePlan(st.req_id, ids, keys, start, ttl=st.ttl, groups=groups))
+            plan.stores.append(StorePlan(st.req_id, ids, keys, start, ttl=st.ttl, groups=groups,
+                                         positions=[i for _, i, _ in picks]))
             st.had_stores = True
 
     def finished(self, req_id: str) -> bool:

@@ -90,13 +90,14 @@ _shared: dict[tuple, SharedStore] = {}
 
 
 def acquire_shared(name: str, config: StoreConfig, fingerprint: ModelFingerprint, block_bytes: int,
-                   block_tokens: int) -> SharedStore:
+                   block_tokens: int, events: bool = False) -> SharedStore:
     """The store named ``name`` (e.g. an engine id and rank) in this process, created on first use."""
     with _lock:
-        k = (name, fingerprint.digest(), block_bytes, config.to_yaml())
+        k = (name, fingerprint.digest(), block_bytes, config.to_yaml(), events)
         s = _shared.get(k)
         if s is None:
-            store = KVStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens)
+            store = KVStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens,
+                            events=events)
             s = _shared[k] = SharedStore(store, OffloadMetrics(store.metrics.registry))
         s.refs += 1
         return s

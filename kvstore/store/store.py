@@ -32,6 +32,7 @@ from kvstore.keys import ModelFingerprint, root_of
 from kvstore.store import placement
 from kvstore.store.chain import Plan, TierChain
 from kvstore.store.cost import Rates
+from kvstore.store.events import TierEvents
 from kvstore.store.machine import check_dram
 from kvstore.store.handles import LoadHandle, PrefixMatch, StoreHandle, check_keys, check_ttl, rows_of
 from kvstore.store.metrics import StoreMetrics
@@ -58,6 +59,7 @@ class KVStore:
         kv_dtype: str | None = None,
         group_elems: int | None = None,
         io_executor: Executor | None = None,
+        events: bool = False,
     ):
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -71,7 +73,7 @@ class KVStore:
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
         try:
             self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
-                                     clock=clock, kv_dtype=kv_dtype, group_elems=group_elems)
+                                     clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events)
         except BaseException:
             self.metrics.close()
             raise
@@ -82,6 +84,12 @@ class KVStore:
                            io_threads=self.config.tiers.nvme.io_threads, executor=io_executor)
         self.rates = Rates(use=self.config.io.load_only_if_faster)  # tier reads (measured here), the engine's prefill
         self.metrics.attach(self, fingerprint)
+        # KV events (issue 32; ``events``: someone drains them, take_events): the announced tiers'
+        # journals and the metadata of their blocks
+        ev = self.config.events
+        self.events = TierEvents(self.chain.local, [n for n in ("dram", "nvme") if getattr(ev, n).medium]) \
+            if events else None
+        self._sweeping: Future | None = None
 
     # -- the tiers, by name (for operators and tests; the store itself loops over the chain) --------
     def tier(self, name: str) -> Tier | None:
@@ -366,6 +374,16 @@ class KVStore:
         self.moves.run(plan)
         self._update_gauges()
         return n
+
+    def take_events(self) -> list:
+        """What became servable in, or left, each announced tier since the last call
+        (:class:`~kvstore.store.events.TierEvents`; [] with events off). Past-TTL blocks are swept on
+        the I/O pool when any is due, so an expiry is seen without traffic: by the next call."""
+        if self.events is None or self._closed:
+            return []
+        if (self._sweeping is None or self._sweeping.done()) and self.events.due(self.clock()):
+            self._sweeping = self.moves.background(self.sweep)
+        return self.events.take()
 
     def persist(self) -> int:
         """Write blocks only the top tier holds down to the next (write-back), oldest first, in

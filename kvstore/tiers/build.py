@@ -34,7 +34,8 @@ class TierSet:
     what it opened if a later tier fails to open."""
 
     def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint | bytes,
-                 clock: Callable[[], float] = time.time, kv_dtype: str | None = None, group_elems: int | None = None):
+                 clock: Callable[[], float] = time.time, kv_dtype: str | None = None, group_elems: int | None = None,
+                 events: bool = False):
         self.tiers: list[Tier] = []
         self._namespaces: dict[str, bytes] = {}
         self._tmpdir: str | None = None
@@ -50,7 +51,7 @@ class TierSet:
             if t.dram.enabled:
                 self._open_dram(t.dram, has_lower=t.nvme.enabled, clock=clock)
             if t.nvme.enabled:
-                self._open_nvme(t.nvme, clock=clock)
+                self._open_nvme(t.nvme, clock=clock, keep_meta=events and config.events.nvme.medium is not None)
             if t.remote.enabled:
                 self._open_redis(t.remote)
         except BaseException:
@@ -80,7 +81,7 @@ class TierSet:
         tier.index.ttl_shared = cfg.ttl_shared_s
         self.tiers.append(tier)
 
-    def _open_nvme(self, cfg, *, clock) -> None:
+    def _open_nvme(self, cfg, *, clock, keep_meta: bool = False) -> None:
         from kvstore.tiers.nvme import NvmeTier
 
         path = cfg.path
@@ -89,7 +90,7 @@ class TierSet:
         tier = NvmeTier(path=path, namespace=self._namespaces["nvme"], capacity_bytes=cfg.capacity_bytes,
                         ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=self.block_bytes,
                         codec_id=CODEC_IDS[cfg.codec], o_direct=cfg.o_direct, header=cfg.header, clock=clock,
-                        codec=self._codec(cfg), engine=cfg.engine)
+                        codec=self._codec(cfg), engine=cfg.engine, keep_meta=keep_meta)
         tier.index.ttl_shared = cfg.ttl_shared_s
         tier.write_through = cfg.write_mode == "write_through"
         tier.admit_after = cfg.admit_after

@@ -20,6 +20,12 @@ the extended attribute ``user.kvstore.hdr`` (a file whose size is a multiple of 
 twice as fast as one 4 KiB longer on the disks measured here).
 
 Nothing in a file is ever unpickled; a file that fails any check is not served.
+
+Event metadata (optional, issue 32): what a KV-event consumer needs to announce the block after a
+restart (the engine's block hash, its parent, the token ids: opaque bytes here, written by
+:mod:`kvstore.store.events`). Inline files keep it in the header's spare bytes at META_OFFSET, xattr
+files in the attribute ``user.kvstore.ev``; either way ``u32 length, u64 xxh3-64, body``. It is
+advisory: a file without it, or with a damaged one, is served as before and only not announced.
 """
 
 from __future__ import annotations
@@ -102,6 +108,32 @@ def unpack_header(buf) -> Header:
     if version != VERSION or hlen != HEADER_BYTES:
         raise BadBlockFile("bad_version", f"version {version}, header {hlen}")
     return Header(codec_id, plen, chk, created, fp, key, flags)
+
+
+META_OFFSET = 128  # inline files: where the event metadata starts in the 4 KiB header
+XATTR_META = "user.kvstore.ev"  # xattr files: where it lives
+_META = struct.Struct("<IQ")
+META_MAX = HEADER_BYTES - META_OFFSET - _META.size  # a longer body is not kept (the block is just not announced)
+
+
+def pack_meta(body: bytes, key: bytes) -> bytes:
+    """Event metadata framed with its length and a checksum over the block key and the body ("" when
+    it does not fit): a recycled file's or a moved file's metadata never passes for another key's."""
+    if not body or len(body) > META_MAX:
+        return b""
+    return _META.pack(len(body), xxhash.xxh3_64_intdigest(key + body)) + body
+
+
+def unpack_meta(buf, key: bytes) -> bytes | None:
+    """The body of framed event metadata of ``key``, or None (absent, truncated, damaged, another key's)."""
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _META.size:
+        return None
+    n, chk = _META.unpack(mv[: _META.size])
+    if n == 0 or n > META_MAX or len(mv) < _META.size + n:
+        return None
+    body = bytes(mv[_META.size: _META.size + n])
+    return body if xxhash.xxh3_64_intdigest(key + body) == chk else None
 
 
 def file_bytes(payload_len: int) -> int:

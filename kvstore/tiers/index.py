@@ -71,6 +71,9 @@ class TierIndex:
         self.consulted = {"capacity": False, "ttl": False}
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
+        # KV events (kvstore.store.events): (True, key) when an entry becomes READY, (False, key)
+        # when a READY entry leaves; None (the tuner, events off): nothing is recorded
+        self.journal: list[tuple[bool, Hashable]] | None = None
 
     # -- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -236,6 +239,8 @@ class TierIndex:
         e.state = READY
         e.pins -= 1
         self.policy.insert(e.key)
+        if self.journal is not None:
+            self.journal.append((True, e.key))
         self.touch(e, now, session)
 
     def abort(self, e: Entry) -> None:
@@ -285,6 +290,8 @@ class TierIndex:
         return not e.pins
 
     def _drop(self, e: Entry, reason: str) -> None:
+        if self.journal is not None:
+            self.journal.append((False, e.key))
         del self.entries[e.key]
         self.policy.remove(e.key)
         self.used -= e.nbytes

@@ -169,6 +169,8 @@ class BlockIO:
             # a failure (full disk, a folder planted in the way, another user's folder...) is the
             # tier's to handle: its own write runs once more, counts and degrades by its rules
             oks[i] = True if err == 0 else tier.write(entries[i], srcs[i])
+            if err == 0 and tier.meta_of is not None:  # KV events: the file's metadata (advisory, after the rename)
+                tier._set_meta(str(tier.path_of(entries[i].key)), tier._meta(entries[i].key))
         self._count("writes", len(entries), sum(1 for err, _s in res if err == 0))
         return oks
 
@@ -220,7 +222,8 @@ class BlockIO:
         """Does this block go through the tier's own per-block path?"""
         if buf.nbytes < tier.block_bytes:
             raise ValueError(f"block of {buf.nbytes} bytes, need {tier.block_bytes}")
-        return failpoints.active or tier.codec is not None or buf.nbytes < tier.padded or not is_aligned(buf)
+        return failpoints.active or tier.codec is not None or buf.nbytes < tier.padded or not is_aligned(buf) \
+            or (tier.meta_of is not None and tier.header == "inline")  # event metadata in the header: the tier's path
 
     def _run(self, tier, op: str, *args):
         if tier._root_fd < 0:

@@ -66,7 +66,7 @@ class NvmeTier(LocalTier):
                  policy: str, block_bytes: int, codec_id: int = 0, o_direct: bool | str = "auto",
                  header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True,
                  codec: Codec | None = None, pool_files: int | None = None, engine: str = "off",
-                 engine_depth: int = 8):
+                 engine_depth: int = 8, keep_meta: bool = False):
         super().__init__(capacity_bytes=capacity_bytes, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes,
                          clock=clock, entry_bytes=ff.file_bytes(block_bytes))
         self.namespace = bytes(namespace)
@@ -118,6 +118,10 @@ class NvmeTier(LocalTier):
             pool_files = default_max_files(self.file_bytes, capacity_bytes)
         self.pool = FilePool(self._tmp_fd, self.file_bytes, pool_files if self.fixed_size else 0)
         self.engine = _engine(engine, engine_depth)  # batches of the common case (write_many/read_many)
+        # KV events (kvstore.store.events): key -> the event metadata a block file keeps (None: none
+        # kept), and what the scan found in the files (taken by the store's events)
+        self.meta_of: Callable[[bytes], bytes | None] | None = None
+        self.scanned_meta: dict[bytes, bytes] | None = {} if keep_meta else None
         if scan:
             self.scan()
 
@@ -190,8 +194,11 @@ class NvmeTier(LocalTier):
             payload = bounce
         header = ff.Header(self.codec_id, plen, ff.checksum(payload[:plen]),
                            time.time(), self.namespace, entry.key)
+        meta = self._meta(entry.key)
         if self.header == "inline":
             ff.pack_header(header, hdr)
+            if meta:
+                memoryview(hdr).cast("B")[ff.META_OFFSET: ff.META_OFFSET + len(meta)] = meta
         name = self._name(entry.key)
         tmp = ""
         leaf = -1
@@ -203,6 +210,7 @@ class NvmeTier(LocalTier):
                 if self.header == "xattr":
                     _pwrite_all(fd, [payload], fbytes)
                     os.setxattr(fd, ff.XATTR, ff.header_bytes(header))
+                    self._set_meta(fd, meta)
                 else:
                     _pwrite_all(fd, [hdr, payload], fbytes)
                 t = entry.last_access
@@ -234,6 +242,23 @@ class NvmeTier(LocalTier):
         finally:
             if leaf >= 0:
                 os.close(leaf)
+
+    def _meta(self, key: bytes) -> bytes:
+        """The framed event metadata to keep in ``key``'s file (b"": none)."""
+        body = self.meta_of(key) if self.meta_of is not None else None
+        return ff.pack_meta(body, key) if body else b""
+
+    def _set_meta(self, fd_or_path, meta: bytes) -> None:
+        """An xattr file's event metadata (a recycled file's old one removed). Advisory: a failure
+        leaves a file that is served but not announced after a restart."""
+        kw = {} if isinstance(fd_or_path, int) else {"follow_symlinks": False}
+        try:
+            if meta:
+                os.setxattr(fd_or_path, ff.XATTR_META, meta, **kw)
+            elif self.meta_of is not None:
+                os.removexattr(fd_or_path, ff.XATTR_META, **kw)
+        except OSError:
+            pass
 
     def _open_tmp(self, key: bytes, fbytes: int) -> tuple[int, str]:
         """A file in ``tmp/`` to write a block file of ``fbytes`` into: a pooled one (overwritten in
@@ -559,15 +584,25 @@ class NvmeTier(LocalTier):
                     fixed.append(f.name)
                 if st.st_size > self.file_bytes or (self.fixed_size and st.st_size != self.file_bytes):
                     raise ff.BadBlockFile("truncated" if st.st_size < self.file_bytes else "bad_size")
+                meta = None
                 if self.header == "xattr":
                     h = self._header_of(fd)
+                    if self.scanned_meta is not None:
+                        try:
+                            meta = ff.unpack_meta(os.getxattr(fd, ff.XATTR_META), key)
+                        except OSError:
+                            pass
                 else:
                     if os.preadv(fd, [hbuf], 0) != ff.HEADER_BYTES:
                         raise ff.BadBlockFile("truncated")
                     h = ff.unpack_header(hbuf)
+                    if self.scanned_meta is not None:
+                        meta = ff.unpack_meta(memoryview(hbuf)[ff.META_OFFSET:], key)
             finally:
                 os.close(fd)
             self._check(h, key)
+            if meta is not None:
+                self.scanned_meta[key] = meta
             if st.st_size != self.file_bytes_for(h.payload_len):
                 raise ff.BadBlockFile("truncated", f"{st.st_size} bytes for a {h.payload_len}-byte payload")
         except ff.BadBlockFile as e:

@@ -1,0 +1,198 @@
+"""kvstore's tiers on vLLM's own KV-event stream (issue 32), read as a router reads it: a ZMQ
+subscriber of vLLM's publisher (``KVEventsConfig(publisher="zmq")``), batches decoded with msgspec
+into vLLM's own event types.
+
+One engine runs the life of a cache (stored in DRAM and NVMe, evicted from DRAM, a damaged file,
+expired on NVMe with no traffic to it), a second one on the same folder announces what its scan
+found. Every kvstore event names a block by vLLM's own hash: the one vLLM's GPU event gave it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+vllm = pytest.importorskip("vllm")
+
+from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore.offload import shared as shared_mod  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+BS = 32
+NVME_TTL = 6.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kvstore.bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subscriber:
+    """A router's view: every event vLLM publishes, decoded with vLLM's own types."""
+
+    def __init__(self, port: int):
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.sock.setsockopt(zmq.RCVTIMEO, 100)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list = []
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        time.sleep(0.5)  # ZMQ's slow joiner: subscribed before the first publish
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop:
+            try:
+                _topic, _seq, payload = self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self.events.extend(self.decoder.decode(payload).events)
+
+    def settle(self, s: float = 0.6) -> list:
+        time.sleep(s)  # the publisher's thread sends what the last step queued
+        return list(self.events)
+
+    def close(self) -> None:
+        self._stop = True
+        self._t.join()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _engine(model: str, store: str, port: int) -> Engine:
+    from vllm.config import KVEventsConfig
+
+    cfg = connector_config(store, dram_gb=8 * 128 * 1024 / 2**30, nvme_gb=1)  # DRAM: 8 blocks of 128 KiB
+    cfg["tiers"]["nvme"].update(ttl_s=NVME_TTL, write_mode="write_through")
+    return Engine(model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg),
+                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                  endpoint=f"tcp://*:{port}", topic="kv"))
+
+
+def _gpu_hashes(events, tokens: list[int]) -> list[int]:
+    """vLLM's own hash of each full block of ``tokens``, from its GPU BlockStored events."""
+    by_tokens = {tuple(e.token_ids[i * e.block_size:(i + 1) * e.block_size]): h for e in events
+                 if type(e).__name__ == "BlockStored" and e.medium == "GPU" for i, h in enumerate(e.block_hashes)}
+    return [by_tokens[tuple(tokens[i * BS:(i + 1) * BS])] for i in range(len(tokens) // BS)]
+
+
+def _ours(events, kind: str, medium: str) -> list:
+    return [e for e in events if type(e).__name__ == kind and e.medium == medium and e.ownership == "kvstore"]
+
+
+def _hashes(events, kind: str, medium: str) -> set[int]:
+    return {h for e in _ours(events, kind, medium) for h in e.block_hashes}
+
+
+def _blocks(events, medium: str) -> dict:
+    """kvstore's stored blocks on ``medium``: hash -> (parent hash, token ids), as a router reads them."""
+    out = {}
+    for e in _ours(events, "BlockStored", medium):
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            out[h] = (parent, list(e.token_ids[i * e.block_size:(i + 1) * e.block_size]))
+            parent = h
+    return out
+
+
+def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
+    store, port = str(tmp_path / "s"), _free_port()
+    p1, p2, p3 = prompt(4 * BS + 10, 1), prompt(10 * BS + 5, 2), prompt(3 * BS + 7, 3)
+    eng = _engine(tiny_model, store, port)
+    sub = Subscriber(port)
+    try:
+        eng.generate([p1], 8)
+        ev = sub.settle()
+        h1 = _gpu_hashes(ev, p1)
+        assert len(h1) == 4
+        for medium in ("CPU", "STORAGE"):  # the same hashes as vLLM's GPU events, the tokens with them
+            stored = _blocks(ev, medium)
+            assert set(h1) <= set(stored), (medium, h1, list(stored))
+            for i, h in enumerate(h1):
+                assert stored[h] == (h1[i - 1] if i else None, p1[i * BS:(i + 1) * BS])
+            assert all(e.locality == "LOCAL" and e.group_idx == 0 and e.block_size == BS
+                       for e in _ours(ev, "BlockStored", medium))
+        assert not _ours(ev, "BlockRemoved", "CPU")
+
+        # eviction: a 10-block prompt in an 8-block DRAM tier pushes p1 out of DRAM (NVMe keeps it)
+        eng.generate([p2], 4)
+        ev = sub.settle()
+        assert set(h1) <= _hashes(ev, "BlockRemoved", "CPU")
+        assert not set(h1) & _hashes(ev, "BlockRemoved", "STORAGE")
+        # (one 10-block batch into 8 DRAM slots: the blocks that found no slot are not stored)
+        h2 = [h for h in _gpu_hashes(ev, p2) if h in _blocks(ev, "STORAGE")]
+        assert len(h2) >= 6
+
+        # a damaged file: p1's block 1 fails its checksum when p1 is loaded from NVMe
+        sh = shared_mod.live()[0]
+        key = next(k for k, m in sh.store.events.meta.items() if int.from_bytes(m.block_hash, "big") & (2**64 - 1)
+                   == h1[1])
+        path = sh.store.nvme.path_of(key)
+        with open(path, "r+b") as fh:
+            fh.seek(os.path.getsize(path) - 4096 - 100)
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        n0 = len(sub.events)
+        eng.reset()  # vLLM's own cache forgets p1: it is looked up in kvstore
+        eng.generate([p1], 4)
+        ev = sub.settle()[n0:]
+        assert h1[1] in _hashes(ev, "BlockRemoved", "STORAGE")
+        assert h1[0] not in _hashes(ev, "BlockRemoved", "STORAGE")
+
+        # TTL expiry with no traffic to the blocks, only engine steps (another prompt): p2 leaves NVMe
+        time.sleep(NVME_TTL + 0.5)
+        n0 = len(sub.events)
+        eng.generate([p3], 4)  # its first step starts the sweep, a later one publishes what it removed
+        eng.generate([prompt(BS + 3, 4)], 4)
+        ev = sub.settle()[n0:]
+        assert set(h2) <= _hashes(ev, "BlockRemoved", "STORAGE")
+        h3 = _gpu_hashes(ev, p3)
+    finally:
+        eng.close()
+        sub.close()
+    # a restart: what the scan found on NVMe is announced at the engine's first step
+    port = _free_port()
+    eng = _engine(tiny_model, store, port)
+    sub = Subscriber(port)
+    try:
+        eng.generate([prompt(BS + 3, 9)], 2)
+        ev = sub.settle()
+        found = _blocks(ev, "STORAGE")
+        assert set(h3) <= set(found)
+        assert [found[h][1] for h in h3] == [p3[i * BS:(i + 1) * BS] for i in range(3)]
+        assert not set(h2) & set(found)  # expired: never announced again
+    finally:
+        eng.close()
+        sub.close()
