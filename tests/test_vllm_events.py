@@ -90,12 +90,12 @@ class Subscriber:
         self.ctx.term()
 
 
-def _engine(model: str, store: str, port: int) -> Engine:
+def _engine(model: str, store: str, port: int, mp: bool = False) -> Engine:
     from vllm.config import KVEventsConfig
 
     cfg = connector_config(store, dram_gb=8 * 128 * 1024 / 2**30, nvme_gb=1)  # DRAM: 8 blocks of 128 KiB
     cfg["tiers"]["nvme"].update(ttl_s=NVME_TTL, write_mode="write_through")
-    return Engine(model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg),
+    return Engine(model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg), mp=mp,
                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                   endpoint=f"tcp://*:{port}", topic="kv"))
 
@@ -193,6 +193,26 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
         assert set(h3) <= set(found)
         assert [found[h][1] for h in h3] == [p3[i * BS:(i + 1) * BS] for i in range(3)]
         assert not set(h2) & set(found)  # expired: never announced again
+    finally:
+        eng.close()
+        sub.close()
+
+
+def test_events_cross_processes(tiny_model, tmp_path):
+    """vLLM's multiprocess executor: the store (and the events' source) is in the worker's process;
+    the events reach the scheduler in vLLM's KVConnectorOutput."""
+    port = _free_port()
+    eng = _engine(tiny_model, str(tmp_path / "s"), port, mp=True)
+    sub = Subscriber(port)
+    try:
+        p = prompt(3 * BS + 5, 5)
+        eng.generate([p], 4)
+        eng.generate([prompt(BS + 1, 6)], 4)  # a step after the stores completed
+        ev = sub.settle()
+        h = _gpu_hashes(ev, p)
+        for medium in ("CPU", "STORAGE"):
+            stored = _blocks(ev, medium)
+            assert [stored[x] for x in h] == [(h[i - 1] if i else None, p[i * BS:(i + 1) * BS]) for i in range(3)]
     finally:
         eng.close()
         sub.close()

@@ -14,6 +14,11 @@ TP > 1 alike) and are published with vLLM's own events by the scheduler (``take_
   LoRA, extra keys (``generate_block_hash_extra_keys`` -> ``to_event_extra_keys``) and the KV cache
   group. They are built on the scheduler (:func:`block_metas`, only with events on) and kept by
   the store, in each block file too (a restart announces what the scan found).
+* Cost (``python -m kvstore.bench.events_cost on|off``, tiny model, 8 requests x 640 prompt + 64
+  output tokens, DRAM + NVMe write-through so both tiers announce every block, 195 steps, busy
+  2-core VM, 2026-11-24): naming the stored blocks in ``build_connector_meta`` +12 to +19 us a step,
+  ``take_events`` 1 us (the scheduler's thread: 0.2 % of the mean 9.5-9.9 ms step); draining the
+  journals and making vLLM's events in the worker's hook 40-47 us a step; all of it 0.6-0.7 %.
 * ``AllBlocksCleared`` carries no medium in vLLM 0.32 (a router would drop the engine's GPU blocks
   too), so a tier that empties is announced as ``BlockRemoved`` of each of its blocks.
 """
