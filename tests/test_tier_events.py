@@ -13,6 +13,7 @@ from kvstore.store.events import REMOVED, STORED, BlockMeta
 from kvstore.tiers import fileformat as ff
 
 from conftest import BLOCK, FP, FakeClock, blocks_for, make_keys, tiny_config
+from redis_servers import redis_single  # noqa: F401
 
 
 def meta(i: int, parent: int | None = None) -> BlockMeta:
@@ -111,5 +112,42 @@ def test_damaged_files(tmp_path):
     try:
         assert records(s) == {(STORED, "nvme", 0)}  # block 1: served, its metadata is bad
         assert s.contains_prefix(keys, record=False).num_blocks == 2
+    finally:
+        s.close()
+
+
+def test_remote_tier_only_when_asked(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    """Redis announces what this engine wrote, and what a read found gone; it is off by default."""
+    from kvstore.config import from_dict
+
+    from conftest import dram_gb
+
+    monkeypatch.setenv("KVSTORE_REDIS_PASSWORD", redis_single.password or "")
+    keys = make_keys(4, seed=7)
+
+    def store(medium):
+        cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(8), "pin_memory": False},
+                                   "nvme": {"capacity_gb": 0},
+                                   "remote": {"url": redis_single.url, "timeout_ms": 500}},
+                         "events": {"remote": {"medium": medium}}})
+        return KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=16, clock=FakeClock(), events=True)
+
+    s = store(None)
+    try:
+        put(s, keys)
+        assert records(s) == {(STORED, "dram", i) for i in range(4)}
+    finally:
+        s.close()
+    s = store("storage")
+    try:
+        put(s, keys[:2], first=10)  # (already in Redis: written again, announced again)
+        assert records(s) == {(STORED, t, i) for t in ("dram", "remote") for i in (10, 11)}
+        evs = [(st, t) for st, t, m in s.take_events()]
+        assert evs == []
+        redis_single.client().delete(s.remote.client.redis_key(keys[1]))
+        s.dram.remove(keys[:2])  # DRAM forgets them: the next read goes to Redis
+        out = blocks_for(keys) * 0
+        assert s.get(keys[:2], out[:2]) == 1
+        assert (REMOVED, "remote", 11) in records(s)
     finally:
         s.close()

@@ -62,12 +62,15 @@ class BlockMeta:
 
 
 class TierEvents:
-    """The journals of ``announced`` tiers (those with their own index: DRAM, NVMe) and the
+    """The journals of the ``announced`` tiers (DRAM, NVMe: their index; Redis: itself) and the
     metadata of the blocks they hold."""
 
     def __init__(self, tiers: Sequence, announced: Sequence[str]):
         self.all = [t for t in tiers if hasattr(t, "index")]  # every local tier (a key held anywhere)
-        self.tiers = [t for t in self.all if t.name in announced]
+        # the announced tiers, each with what keeps its journal: its index, or the tier itself (Redis
+        # keeps the index; what this engine wrote there and what a read found gone are all it sees)
+        self.tiers = [(t, t.index if hasattr(t, "index") else t) for t in tiers
+                      if t.name in announced and hasattr(getattr(t, "index", t), "journal")]
         self.meta: dict[bytes, BlockMeta] = {}
         self._lock = threading.Lock()
         self._gone: list[list[bytes]] = [[], []]  # keys that may be held nowhere, checked two takes later
@@ -83,10 +86,11 @@ class TierEvents:
                 t.scanned_meta = None
             if hasattr(t, "meta_of"):  # the files keep the metadata (a restart announces them)
                 t.meta_of = self._body_of
-        for t in self.tiers:
+        for t, holder in self.tiers:
             with t.lock:
-                t.index.journal = []
-                self._first.extend((t.name, k) for k in t.index.keys())
+                holder.journal = []
+                if holder is not t:
+                    self._first.extend((t.name, k) for k in t.index.keys())
         held = {k for t in self.all for k in t.index.entries}
         self.meta = {k: m for k, m in self.meta.items() if k in held}
 
@@ -104,7 +108,7 @@ class TierEvents:
 
     def due(self, now: float) -> bool:
         """Is anything past its TTL in an announced tier (a sweep would remove it)?"""
-        return any(t.index._heap and t.index._heap[0][0] <= now for t in self.tiers)
+        return any(t.index._heap and t.index._heap[0][0] <= now for t in self.all)
 
     def take(self) -> list[tuple[bool, str, BlockMeta]]:
         """(STORED or REMOVED, tier name, metadata) since the last call, in order per tier."""
@@ -116,9 +120,9 @@ class TierEvents:
             if m is not None:
                 out.append((STORED, name, m))
         gone: list[bytes] = []
-        for t in self.tiers:
+        for t, holder in self.tiers:
             with t.lock:
-                j, t.index.journal = t.index.journal, []
+                j, holder.journal = holder.journal, []
             for stored, k in j:
                 m = meta.get(k)
                 if m is None:

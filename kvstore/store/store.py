@@ -87,7 +87,7 @@ class KVStore:
         # KV events (issue 32; ``events``: someone drains them, take_events): the announced tiers'
         # journals and the metadata of their blocks
         ev = self.config.events
-        self.events = TierEvents(self.chain.local, [n for n in ("dram", "nvme") if getattr(ev, n).medium]) \
+        self.events = TierEvents(self.chain.tiers, [n for n in ("dram", "nvme", "remote") if getattr(ev, n).medium]) \
             if events else None
         self._sweeping: Future | None = None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Mapping, Sequence
 
@@ -42,6 +43,10 @@ class RedisTier(Tier):
         self.presence = presence
         self.block_bytes = int(block_bytes)
         self.ttl = None if client.ttl_ms is None else client.ttl_ms / 1000
+        # KV events (kvstore.store.events): (True, key) for what this engine wrote, (False, key) for
+        # what a read found gone or bad; Redis evicts and expires on its own, unseen. None: off
+        self.journal: list | None = None
+        self.lock = threading.Lock()
 
     @classmethod
     def open(cls, cfg, *, namespace: bytes, block_bytes: int, codec, codec_id: int,
@@ -98,7 +103,11 @@ class RedisTier(Tier):
         return out
 
     def commit(self, entries, oks, at=None, session=None, keep_pinned=False) -> None:
-        self.presence.stored([e.key for e, ok in zip(entries, oks) if e is not None and ok])
+        stored = [e.key for e, ok in zip(entries, oks) if e is not None and ok]
+        self.presence.stored(stored)
+        if self.journal is not None:  # KV events: what this engine wrote is servable here
+            with self.lock:
+                self.journal.extend((True, k) for k in stored)
 
     # -- reads: nothing to pin -----------------------------------------------------------------------
     def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
@@ -107,7 +116,11 @@ class RedisTier(Tier):
 
     def release(self, entries, oks=None) -> None:
         if oks is not None:  # found gone or bad at a read: ask again next time
-            self.presence.forget([e.key for e, ok in zip(entries, oks) if e is not None and not ok])
+            bad = [e.key for e, ok in zip(entries, oks) if e is not None and not ok]
+            self.presence.forget(bad)
+            if self.journal is not None and bad:  # KV events: the only removals this engine sees here
+                with self.lock:
+                    self.journal.extend((False, k) for k in bad)
 
     # -- the medium ----------------------------------------------------------------------------------
     def write_many(self, entries: Sequence[Entry], srcs: Sequence[np.ndarray]) -> list[bool]:
