@@ -28,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from kvstore import kvcopy
 from kvstore.config import load_config
 from kvstore.offload.readout import render_engine
@@ -85,6 +87,11 @@ def _check_codecs(config, groups: KVGroups) -> None:
         except ValueError as e:
             raise ConfigError(f"tiers.{tier}.codec", name, "none or zstd", f"this model keeps Mamba or "
                               f"linear-attention state ({e})") from None
+
+
+# vLLM's names of where a hit came from (vllm:prompt_tokens_cached_by_source{source}): Redis is a
+# remote store, which vLLM counts as external_unspecified (p2p is for engines' peers)
+HIT_SOURCES = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KVStoreMetadata(KVConnectorMetadata):
@@ -337,6 +344,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             ids = blocks.get_block_ids()
             ids = tuple(list(t) for t in ids) if not self.groups.plain else ids[0]
         self.planner.allocated(st, num_external_tokens, ids)
+
+    @timed
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        """kvstore's hit split by the tier each block was found in (vLLM calls this after
+        ``update_state_after_alloc``); vLLM counts a split that does not add up as external."""
+        if not num_external_tokens:
+            return {}
+        st = self.planner.reqs.get(request.request_id) if self.planner is not None else None
+        out: dict = {}
+        for t in (st.hit_tiers if st is not None else ()):
+            src = HIT_SOURCES.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + self.block_size
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return out
 
     @timed
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

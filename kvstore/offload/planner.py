@@ -144,6 +144,7 @@ class RequestState:
     gkeys: dict = field(default_factory=dict)  # group -> its keys so far (hybrid models)
     junction: int = 0  # blocks of the stored prefix the first lookup found, where it ended early
     load_failed: bool = False  # a load of this request failed as a whole: never offered a hit again
+    hit_tiers: tuple[str, ...] = ()  # the tier each block of the last allocated hit was found in
 
     @property
     def block_ids(self) -> list[int]:
@@ -428,6 +429,7 @@ class Planner:
                 log.warning("kvstore: request %s: an asynchronous load without its %d blocks (got %s); "
                             "it loads when scheduled", st.req_id, first + n,
                             None if block_ids is None else len(block_ids))
+        st.hit_tiers = tuple(tiers) if num_external > 0 else ()
         if st.first_hit is None:
             st.first_hit = (st.num_local, got_blocks * self.bs, "store_error" if st.failed else st.miss_reason)
         o = self.outcome(st, num_external, got_blocks * self.bs, tiers)

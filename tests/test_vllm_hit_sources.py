@@ -1,0 +1,61 @@
+"""kvstore's hits on vLLM's own metric of where cached prompt tokens came from (issue 32):
+``vllm:prompt_tokens_cached_by_source{source=host|disk|external_unspecified}``, filled through the
+connector's ``get_external_cache_hit_sources`` (DRAM -> host, NVMe -> disk, Redis -> external)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+vllm = pytest.importorskip("vllm")
+
+from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kvstore.bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
+
+
+def by_source(eng: Engine) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in eng.llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source":
+            src = m.labels["source"]
+            out[src] = out.get(src, 0) + m.value
+    return out
+
+
+def test_hits_by_source(tiny_model, tmp_path):
+    cfg = connector_config(str(tmp_path / "s"), dram_gb=8 * 128 * 1024 / 2**30, nvme_gb=1)  # DRAM: 8 blocks
+    eng = Engine(tiny_model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg), disable_log_stats=False)
+    try:
+        p1, p2 = prompt(4 * BS + 10, 1), prompt(7 * BS + 5, 2)
+        eng.generate([p1], 2)
+        eng.generate([p2], 2)  # 4 + 7 blocks in 8 DRAM slots: p1 goes down to NVMe
+        for source in ("disk", "host"):  # from NVMe (the load promotes it), then from DRAM
+            before = by_source(eng)
+            eng.reset()  # vLLM forgets p1: its hit can only come from kvstore
+            _, cached = eng.generate([p1], 2)
+            assert cached == [4 * BS]
+            after = by_source(eng)
+            got = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+            assert got == {source: 4 * BS}, got
+    finally:
+        eng.close()
