@@ -194,7 +194,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.vllm
 def test_each_cache_busting_pattern_through_the_connector(tiny_model, tmp_path):
-    """Sessions (one cache_salt each) through the real connector, then ``kvstore explain`` on the
+    """Sessions (each named by the kvstore.session hint, and a tenant of its own: one cache_salt
+    each) through the real connector, then ``kvstore explain`` on the
     trace it wrote: append-only (and an exact replay), a timestamp at the top, an edited middle
     turn, and a session whose blocks were evicted between its turns (DRAM of 32 blocks, no NVMe;
     a 48-block prompt of another session in between). vLLM's own prefix cache is reset after every
@@ -212,7 +213,9 @@ def test_each_cache_busting_pattern_through_the_connector(tiny_model, tmp_path):
 
     def turn(session: str, p: list[int]) -> list[int]:
         out = e.llm.generate([{"prompt_token_ids": p, "cache_salt": session}],
-                             SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+                             SamplingParams(max_tokens=4, temperature=0,
+                                            extra_args={"kv_transfer_params": {"kvstore": {"session": session}}}),
+                             use_tqdm=False)
         assert e.llm.reset_prefix_cache()
         return list(out[0].outputs[0].token_ids)
 

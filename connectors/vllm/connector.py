@@ -109,6 +109,16 @@ def _request_extra(request: "Request"):
     return ("lora", lora_key, "salt", salt)
 
 
+def _session(request: "Request") -> str:
+    """The conversation a request belongs to: vLLM's own ``session_id`` (the OpenAI API's field),
+    else ``kv_transfer_params: {"kvstore": {"session": ...}}``; "" (the request is its own) without
+    either. Never the cache salt: that isolates tenants, and every session of a tenant shares it."""
+    sid = getattr(request, "session_id", None)
+    if sid:
+        return str(sid)
+    return hints.word(getattr(request, "kv_transfer_params", None), "session", request.request_id) or ""
+
+
 def _request_mm(request: "Request") -> list[tuple[int, int, str]]:
     out = []
     for f in getattr(request, "mm_features", None) or []:
@@ -326,7 +336,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         new = request.request_id not in self.planner.reqs
         st = self.planner.track(request.request_id, tokens, request.num_prompt_tokens, _request_extra(request),
                                 _request_mm(request), arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
-                                session=str(getattr(request, "cache_salt", None) or ""))
+                                session=_session(request) if new else "")
         if new:  # retention hints (kvstore.offload.hints): a bad one is logged, the config applies
             st.ttl, st.store = hints.parse(getattr(request, "kv_transfer_params", None), request.request_id)
             if self.events_on:

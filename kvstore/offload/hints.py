@@ -4,6 +4,10 @@
     {"kvstore": {"ttl_s": 3600}}   keep this request's blocks (those it stores, and those it
                                    hits) idle for at least an hour, in every tier
     {"kvstore": {"store": false}}  a one-off request: its blocks are never stored (it may hit)
+    {"kvstore": {"session": "c42"}} the conversation (agent run) the request belongs to, where vLLM's
+                                   own ``session_id`` is not given: feeds ``ttl_shared_s``,
+                                   ``lru_shared``, the trace and ``kvstore explain``. Never the cache
+                                   salt: that isolates tenants (it is part of every block hash)
 
 A bad hint never fails the request: it is logged as an error that names the request, the key,
 the value and what is allowed, and the config applies instead.
@@ -41,9 +45,27 @@ def parse(params: Any, req_id: str) -> tuple[float | None, bool]:
                 store = v
             else:
                 _bad(req_id, f"{KEY}.store", v, "true | false")
-        else:
-            _bad(req_id, f"{KEY}.{k}", v, "known keys are ttl_s, store")
+        elif k not in WORDS:
+            _bad(req_id, f"{KEY}.{k}", v, "known keys are ttl_s, store, " + ", ".join(WORDS))
     return ttl, store
+
+
+WORDS = ("session",)  # short names a request may carry (labels, never parsed for meaning)
+MAX_WORD = 256
+
+
+def word(params: Any, name: str, req_id: str) -> str | None:
+    """A short name from ``kv_transfer_params["kvstore"][name]`` (a string or an integer of at most
+    256 characters), or None; a bad one is logged and ignored."""
+    if not isinstance(params, Mapping) or not isinstance(params.get(KEY), Mapping):
+        return None
+    v = params[KEY].get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (str, int)) or not str(v) or len(str(v)) > MAX_WORD:
+        _bad(req_id, f"{KEY}.{name}", v, f"a string of 1 to {MAX_WORD} characters")
+        return None
+    return str(v)
 
 
 def _bad(req_id: str, key: str, value: Any, allowed: str) -> None:

@@ -135,7 +135,7 @@ class RequestState:
     miss_reason: str | None = "never_stored"  # why the store's prefix ended (None: all of it is stored)
     failed: bool = False  # the lookup failed (a store error): nothing is known of the store
     arrival: float = 0.0  # wall-clock seconds (for the trace)
-    session: str = ""
+    session: str = ""  # the conversation (vLLM's session_id, or the kvstore.session hint); else the request
     cacheable: bool = True
     replay: bool = False  # the exact prompt was seen before
     ttl: float | None = None  # retention hint (kv_transfer_params: kvstore.ttl_s), None = the config's
@@ -332,7 +332,7 @@ class Planner:
                         st.req_id, None if tables is None else [len(t) for t in tables], k)
         else:
             try:
-                hid, got, _ = self.client.begin_load(keys, session=st.req_id, ttl_s=st.ttl)
+                hid, got, _ = self.client.begin_load(keys, session=st.session, ttl_s=st.ttl)
             except Exception as e:  # promised but not pinned: the worker fails the request
                 self._failed("begin_load", e)
         ok = picks is not None and got == len(keys)
@@ -411,7 +411,7 @@ class Planner:
             n = num_external // self.bs
             keys = self.keys_upto(st, first + n)[first:first + n]
             try:
-                hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.req_id, ttl_s=st.ttl)
+                hid, got_blocks, tier_of = self.client.begin_load(keys, session=st.session, ttl_s=st.ttl)
             except Exception as e:  # promised but not pinned: plan it anyway, the worker fails every block
                 self._failed("begin_load", e)
                 hid, got_blocks, tier_of = 0, 0, ()

@@ -1,0 +1,84 @@
+"""Sessions through the connector (issue 32): a request's session is vLLM's own ``session_id``,
+else ``kv_transfer_params: {"kvstore": {"session": ...}}``, never the cache salt (which isolates
+tenants). It feeds the trace (``kvstore explain``) and the shared-block TTL class
+(``ttl_shared_s``, and ``lru_shared``): a block counts as shared when two sessions hit it, not two
+turns of one conversation."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+vllm = pytest.importorskip("vllm")
+
+from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore.keys import chain_keys  # noqa: E402
+from kvstore.offload import shared as shared_mod  # noqa: E402
+from kvstore.trace import read_trace  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from kvstore.bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
+
+
+def test_sessions_group_requests_and_share_the_system_prompt(tiny_model, tmp_path):
+    from vllm import SamplingParams
+
+    trace = tmp_path / "trace.jsonl"
+    cfg = connector_config(None, dram_gb=0.05, nvme_gb=0)
+    cfg["tiers"]["dram"].update(ttl_s=100, ttl_shared_s=1000)
+    cfg["trace_path"] = str(trace)
+    eng = Engine(tiny_model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg))
+    n = iter(range(100))
+
+    def turn(p: list[int], *, session_id: str | None = None, hint: str | None = None, salt: str | None = None):
+        extra = {"kv_transfer_params": {"kvstore": {"session": hint}}} if hint else None
+        inp = {"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})}
+        e = eng.llm.llm_engine
+        e.add_request(f"r{next(n)}", inp, SamplingParams(max_tokens=2, temperature=0, extra_args=extra),
+                      session_id=session_id)
+        while e.has_unfinished_requests():
+            e.step()
+        eng.reset()  # vLLM forgets it: the next turn's hit comes from kvstore
+
+    try:
+        system = prompt(2 * BS, 1)  # two blocks every session starts with
+        a1 = system + prompt(BS + 5, 2)
+        turn(a1, session_id="conv-a")
+        turn(a1 + prompt(BS, 3), session_id="conv-a")  # conv-a's later turns hit system and a1's block
+        turn(a1 + prompt(BS, 6), session_id="conv-a")
+        store = shared_mod.live()[0].store
+        dram = store.dram
+        keys = chain_keys(store.root, a1, BS)
+        sys_keys, a_key = keys[:2], keys[2]
+
+        def shared(k):
+            return dram.index.entries[k].shared
+
+        assert not any(shared(k) for k in sys_keys)  # two turns of one conversation: not shared
+        turn(system + prompt(BS + 7, 4), hint="conv-b")  # another conversation, no salt: it hits the system prompt
+        assert all(shared(k) for k in sys_keys) and not shared(a_key)
+        assert dram.index.entries[sys_keys[0]].ttl == 1000 and dram.index.entries[a_key].ttl is None
+        turn(system + prompt(BS + 7, 5), hint="conv-c", salt="tenant-2")  # a tenant of its own: no hit
+    finally:
+        eng.close()
+    recs = list(read_trace(trace))
+    assert [r.session for r in recs] == ["conv-a", "conv-a", "conv-a", "conv-b", "conv-c"]
+    assert [r.hit_tokens for r in recs] == [0, 3 * BS, 3 * BS, 2 * BS, 0]
