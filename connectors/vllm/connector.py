@@ -39,6 +39,7 @@ from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan
                              find, hints, release_shared)
 from kvstore.connectors.vllm.events import KVStoreEvents, block_metas, events_enabled, vllm_events
 from kvstore.connectors.vllm.model import kv_groups, model_fingerprint
+from kvstore.connectors.vllm.stats import KVStorePromMetrics, KVStoreStats, StatsTaker
 from kvstore.offload.groups import STATE, KVGroups
 from kvstore.offload.hooktime import IDLE_HOOK, HookClock, timed
 from kvstore.offload.prefillrate import PrefillRate
@@ -154,6 +155,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.events_on = events_enabled(vllm_config)
         self._requests: dict[str, Any] = {}  # scheduler: the requests whose blocks are named in events
         self._events: list = []  # scheduler: the workers' events, until vLLM takes them
+        self.stats: StatsTaker | None = None  # worker, rank 0: kvstore's metrics for vLLM's /metrics
         if self.off is not None:  # the engine runs as without a connector; nothing is stored
             if self.off not in _logged_off:
                 log.warning("kvstore: %s; the connector stores nothing for this model", self.off)
@@ -176,6 +178,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.server = StoreServer(self.shared, name)
             log.info("%s", sizing_line(self.config, block_bytes, self.block_size, self.fingerprint.model))
             self.clock = HookClock(self.shared.metrics.hooks, "worker")
+            # rank 0's counters and gauges on vLLM's /metrics (kvstore.connectors.vllm.stats)
+            self.stats = StatsTaker(self.shared.store.metrics.registry) if self.fingerprint.tp_rank == 0 else None
         else:
             # the scheduler asks rank 0's store: in this process if it is here, else over a socket;
             # with tensor parallelism every rank's, answered as one (kvstore.offload.ranks)
@@ -417,6 +421,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         events = vllm_events(records, self.config.events, self.block_size)
         return KVStoreEvents(events) if events else None
+
+    @timed
+    def get_kv_connector_stats(self) -> KVStoreStats | None:
+        """Worker: kvstore's counters' increments and gauges, at most once a second."""
+        if self.stats is None:
+            return None
+        self.shared.store.metrics.gauges(self.shared.store.chain.local)
+        data = self.stats.take()
+        return KVStoreStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreStats:
+        return KVStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @timed
     def take_events(self):

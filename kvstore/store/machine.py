@@ -153,9 +153,27 @@ def port_refused(port: int, e: OSError) -> ConfigError:
                        why.get(e.errno, e.strerror or str(e)))
 
 
+def kvstore_exports(port: int, timeout: float = 1.0) -> bool:
+    """Does another kvstore store (a rank or engine on this host) export its metrics on ``port``?
+    One GET of its /metrics on loopback; anything else there (or nothing answering) is not."""
+    import http.client
+
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        try:
+            c.request("GET", "/metrics")
+            r = c.getresponse()
+            return r.status == 200 and b"kvstore_store_info" in r.read(1 << 22)
+        finally:
+            c.close()
+    except (OSError, http.client.HTTPException):
+        return False
+
+
 def port_error(port: int | None) -> ConfigError | None:
     """``metrics.port`` that cannot be listened on now: a trial bind as the exporter binds
-    (0.0.0.0, SO_REUSEADDR), closed at once."""
+    (0.0.0.0, SO_REUSEADDR), closed at once. Held by another kvstore store (several ranks or
+    engines on one host, one config): not an error (:meth:`StoreMetrics._serve` says so)."""
     if port is None:
         return None
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -163,6 +181,8 @@ def port_error(port: int | None) -> ConfigError | None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", port))
     except OSError as e:
+        if e.errno == errno.EADDRINUSE and kvstore_exports(port):
+            return None
         return port_refused(port, e)
     finally:
         s.close()

@@ -12,6 +12,7 @@ TTL, prefix diverged, below the minimum length, corrupt.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 
@@ -106,8 +107,9 @@ class StoreMetrics:
 
     def _serve(self, port: int) -> None:
         """Export on ``port``. Held by another program: a ConfigError naming metrics.port. Held by
-        another store of this process: one warning, and this store's metrics stay unexported
-        (one registry per port; ranks and engines sharing a port are not built yet)."""
+        another store of this process, or of another process of this host (tensor-parallel ranks,
+        engines sharing a config): one warning, and this store's metrics stay unexported there
+        (one registry per port; every engine's rank 0 shows on vLLM's /metrics as vllm:kvstore_*)."""
         with _serving_lock:
             other = _serving.get(port)
             if other is not None:
@@ -117,8 +119,13 @@ class StoreMetrics:
             try:
                 self._server = start_http_server(port, registry=self.registry)
             except OSError as e:
-                from kvstore.store.machine import port_refused
+                from kvstore.store.machine import kvstore_exports, port_refused
 
+                if e.errno == errno.EADDRINUSE and kvstore_exports(port):
+                    log.warning("kvstore: metrics.port %d exports another kvstore store of this host (another rank "
+                                "or engine); this store's metrics are not exported there: rank 0's show on vLLM's "
+                                "/metrics as vllm:kvstore_*", port)
+                    return
                 raise port_refused(port, e) from None
             _serving[port] = self
 
