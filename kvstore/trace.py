@@ -44,6 +44,7 @@ class TraceRecord:
     miss_reason: str | None = None
     replay: bool | None = None
     tokens: tuple[int, ...] | None = None
+    tag: str | None = None  # the request's tag (kv_transfer_params kvstore.tag)
 
     def to_json(self) -> str:
         d = {"t": round(self.t, 6), "session": self.session, "blocks": [b.hex() for b in self.blocks],
@@ -56,13 +57,14 @@ class TraceRecord:
         return json.dumps(d, separators=(",", ":"))
 
 
-OPTIONAL = ("local_tokens", "hit_tokens", "miss_reason", "replay", "tokens")  # omitted when None
+OPTIONAL = ("local_tokens", "hit_tokens", "miss_reason", "replay", "tokens", "tag")  # omitted when None
 
 
 def _optional(d: dict) -> dict:
     """The optional fields of a parsed line, typed (absent or null: None)."""
     out = {}
-    for k, conv in (("local_tokens", int), ("hit_tokens", int), ("miss_reason", str), ("replay", bool)):
+    for k, conv in (("local_tokens", int), ("hit_tokens", int), ("miss_reason", str), ("replay", bool),
+                         ("tag", str)):
         if d.get(k) is not None:
             out[k] = conv(d[k])
     if d.get("tokens") is not None:

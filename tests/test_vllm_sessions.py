@@ -48,8 +48,10 @@ def test_sessions_group_requests_and_share_the_system_prompt(tiny_model, tmp_pat
     eng = Engine(tiny_model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg))
     n = iter(range(100))
 
-    def turn(p: list[int], *, session_id: str | None = None, hint: str | None = None, salt: str | None = None):
-        extra = {"kv_transfer_params": {"kvstore": {"session": hint}}} if hint else None
+    def turn(p: list[int], *, session_id: str | None = None, hint: str | None = None, salt: str | None = None,
+             tag: str = "agent"):
+        kv = {"tag": tag, **({"session": hint} if hint else {})}
+        extra = {"kv_transfer_params": {"kvstore": kv}}
         inp = {"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})}
         e = eng.llm.llm_engine
         e.add_request(f"r{next(n)}", inp, SamplingParams(max_tokens=2, temperature=0, extra_args=extra),
@@ -76,9 +78,19 @@ def test_sessions_group_requests_and_share_the_system_prompt(tiny_model, tmp_pat
         turn(system + prompt(BS + 7, 4), hint="conv-b")  # another conversation, no salt: it hits the system prompt
         assert all(shared(k) for k in sys_keys) and not shared(a_key)
         assert dram.index.entries[sys_keys[0]].ttl == 1000 and dram.index.entries[a_key].ttl is None
-        turn(system + prompt(BS + 7, 5), hint="conv-c", salt="tenant-2")  # a tenant of its own: no hit
+        turn(system + prompt(BS + 7, 5), hint="conv-c", salt="tenant-2", tag="tenant-2")  # its own tenant: no hit
+        summary = shared_mod.live()[0].metrics.summary()
     finally:
         eng.close()
     recs = list(read_trace(trace))
     assert [r.session for r in recs] == ["conv-a", "conv-a", "conv-a", "conv-b", "conv-c"]
     assert [r.hit_tokens for r in recs] == [0, 3 * BS, 3 * BS, 2 * BS, 0]
+    # request tags (kv_transfer_params kvstore.tag): in the trace, the metrics and kvstore stats
+    assert [r.tag for r in recs] == ["agent"] * 4 + ["tenant-2"]
+    tags = summary["tags"]
+    assert tags["agent"]["hit_tokens"] == 8 * BS and tags["tenant-2"]["hit_tokens"] == 0
+    assert tags["agent"]["prompt_tokens"] == sum(r.prompt_tokens for r in recs[:4])
+    assert tags["agent"]["hit_rate"] == pytest.approx(8 * BS / sum(r.prompt_tokens for r in recs[:4]))
+    from kvstore.offload.readout import render_engine
+
+    assert any(line.strip().startswith("agent") for line in render_engine(summary))

@@ -342,7 +342,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                 _request_mm(request), arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
                                 session=_session(request) if new else "")
         if new:  # retention hints (kvstore.offload.hints): a bad one is logged, the config applies
-            st.ttl, st.store = hints.parse(getattr(request, "kv_transfer_params", None), request.request_id)
+            params = getattr(request, "kv_transfer_params", None)
+            st.ttl, st.store = hints.parse(params, request.request_id)
+            st.tag = hints.word(params, "tag", request.request_id) or ""
             if self.events_on:
                 self._requests[request.request_id] = request
         n = self.planner.lookup(st, num_computed_tokens)

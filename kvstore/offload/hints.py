@@ -8,6 +8,8 @@
                                    own ``session_id`` is not given: feeds ``ttl_shared_s``,
                                    ``lru_shared``, the trace and ``kvstore explain``. Never the cache
                                    salt: that isolates tenants (it is part of every block hash)
+    {"kvstore": {"tag": "search"}}  a label of the request's kind (an agent, a tool, a tenant): hit
+                                   rate per tag in the metrics, ``kvstore stats`` and the trace
 
 A bad hint never fails the request: it is logged as an error that names the request, the key,
 the value and what is allowed, and the config applies instead.
@@ -50,7 +52,7 @@ def parse(params: Any, req_id: str) -> tuple[float | None, bool]:
     return ttl, store
 
 
-WORDS = ("session",)  # short names a request may carry (labels, never parsed for meaning)
+WORDS = ("session", "tag")  # short names a request may carry (labels, never parsed for meaning)
 MAX_WORD = 256
 
 

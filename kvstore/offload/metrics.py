@@ -38,6 +38,10 @@ UNSUPPLIED_REASONS = tuple(r for r in MISS_REASONS if r != "below_min") + (
     "partial_block", "load_failed", "not_loaded", "uncacheable", "store_error")
 
 
+MAX_TAGS = 20  # request tags with a label of their own (kvstore_engine_tag_*); the rest are OTHER_TAG
+OTHER_TAG = "other"
+
+
 @dataclass
 class RequestOutcome:
     """What the scheduler decided for one request, in tokens (computed by the planner)."""
@@ -51,6 +55,7 @@ class RequestOutcome:
     held: dict[str, int] = field(default_factory=dict)  # tier -> tokens kvstore held under ``local``
     unsupplied: dict[str, int] = field(default_factory=dict)  # reason -> tokens (load failures: worker)
     errors: int = 0  # scheduler-side store calls that failed since the last report
+    tag: str = ""  # the request's tag (kv_transfer_params kvstore.tag), "" without one
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -61,7 +66,8 @@ class RequestOutcome:
         return cls(str(d["req_id"]), int(d["prompt"]), int(d["local"]), int(d["promised"]), int(d["got"]),
                    tuple(str(t) for t in d.get("tiers", ())),
                    {str(k): int(v) for k, v in dict(d.get("held", {})).items()},
-                   {str(k): int(v) for k, v in dict(d.get("unsupplied", {})).items()}, int(d.get("errors", 0)))
+                   {str(k): int(v) for k, v in dict(d.get("unsupplied", {})).items()}, int(d.get("errors", 0)),
+                   str(d.get("tag", ""))[:256])
 
 
 class OffloadMetrics:
@@ -92,6 +98,15 @@ class OffloadMetrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvstore_engine_save_seconds", "Worker time to save one step's blocks",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        # per request tag (kv_transfer_params kvstore.tag): the first MAX_TAGS distinct tags get a
+        # label of their own, later ones count as "other" (a label set that cannot grow unbounded)
+        self.tag_prompt = Counter("kvstore_engine_tag_prompt_tokens", "Prompt tokens of tagged requests, by tag "
+                                  "(the first 20 distinct tags; later ones as 'other')", ["tag"], registry=r)
+        self.tag_local = Counter("kvstore_engine_tag_local_hit_tokens", "Of those, tokens the engine already had "
+                                 "(its own prefix cache), by tag", ["tag"], registry=r)
+        self.tag_hit = Counter("kvstore_engine_tag_hit_tokens", "Of those, tokens kvstore pinned to load, by tag "
+                               "(a load that then fails is in it)", ["tag"], registry=r)
+        self._tags: set[str] = set()
         self.hooks = HookTotals()  # kvstore_engine_hook_{seconds,calls}_total{side,hook} (offload.hooktime)
         r.register(self.hooks)
 
@@ -108,6 +123,12 @@ class OffloadMetrics:
         if o.errors:
             self.store_errors.labels("scheduler").inc(o.errors)
         self.requests.inc()
+        if o.tag:
+            tag = o.tag if o.tag in self._tags or len(self._tags) < MAX_TAGS else OTHER_TAG
+            self._tags.add(tag)
+            self.tag_prompt.labels(tag).inc(o.prompt)
+            self.tag_local.labels(tag).inc(o.local)
+            self.tag_hit.labels(tag).inc(o.got)
         self.prompt_tokens.inc(o.prompt)
         self.local_tokens.inc(o.local)
         for t, n in o.held.items():

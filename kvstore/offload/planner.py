@@ -144,6 +144,7 @@ class RequestState:
     gkeys: dict = field(default_factory=dict)  # group -> its keys so far (hybrid models)
     junction: int = 0  # blocks of the stored prefix the first lookup found, where it ended early
     load_failed: bool = False  # a load of this request failed as a whole: never offered a hit again
+    tag: str = ""  # the request's tag (kv_transfer_params kvstore.tag)
     hit_tiers: tuple[str, ...] = ()  # the tier each block of the last allocated hit was found in
 
     @property
@@ -378,7 +379,7 @@ class Planner:
         # a resumed (preempted) request's own hit may cover generated tokens too: count the prompt's
         p, bs = st.num_prompt_tokens, self.bs
         local = min(st.num_local, p)
-        o = RequestOutcome(st.req_id, p, local, num_external, got, tiers)
+        o = RequestOutcome(st.req_id, p, local, num_external, got, tiers, tag=st.tag)
         why: dict[str, int] = {}
         if not st.cacheable or st.failed:
             why["uncacheable" if not st.cacheable else "store_error"] = p - local - num_external
@@ -553,7 +554,8 @@ class Planner:
             local, hit, why = st.first_hit or (None, None, None)
             self.trace.write(st.arrival, st.session, self.keys_upto(st, p // self.bs), self.bs, p,
                              max(0, len(st.tokens) - p), local_tokens=local, hit_tokens=hit, miss_reason=why,
-                             replay=st.replay, tokens=tuple(st.tokens[:p]) if self.trace_tokens else None)
+                             replay=st.replay, tokens=tuple(st.tokens[:p]) if self.trace_tokens else None,
+                             tag=st.tag or None)
         if not (self.async_saves and st.had_stores):
             return False
         if self.always_delay:

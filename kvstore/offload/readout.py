@@ -59,6 +59,28 @@ def _by_kind(vals: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+SHOWN_TAGS = 10  # request tags shown by name (the most prompt tokens); the rest summed as "other"
+
+
+def tag_summary(vals: dict, top: int = SHOWN_TAGS) -> dict[str, dict]:
+    """tag -> prompt, engine-local and kvstore-pinned tokens and hit rate (pinned / (prompt - local)),
+    the ``top`` tags with most prompt tokens by name, the rest (and the metric's own "other") summed."""
+    prompt = _by(vals, "kvstore_engine_tag_prompt_tokens_total", "tag")
+    local = _by(vals, "kvstore_engine_tag_local_hit_tokens_total", "tag")
+    hit = _by(vals, "kvstore_engine_tag_hit_tokens_total", "tag")
+    named = [t for t in sorted(prompt, key=lambda t: (-prompt[t], t)) if t != "other"][:top]
+    out: dict[str, dict] = {}
+    for t in prompt:
+        d = out.setdefault(t if t in named else "other", {"prompt_tokens": 0, "local_tokens": 0, "hit_tokens": 0})
+        d["prompt_tokens"] += int(prompt[t])
+        d["local_tokens"] += int(local.get(t, 0))
+        d["hit_tokens"] += int(hit.get(t, 0))
+    for d in out.values():
+        need = d["prompt_tokens"] - d["local_tokens"]
+        d["hit_rate"] = d["hit_tokens"] / need if need > 0 else 0.0
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "other", -kv[1]["prompt_tokens"])))
+
+
 def engine_summary(vals: dict) -> dict | None:
     """Token accounting of the vLLM connector, or None if no engine metrics are present."""
     if not any(n == "kvstore_engine_prompt_tokens_total" for n, _ in vals):
@@ -88,6 +110,7 @@ def engine_summary(vals: dict) -> dict | None:
         "served_tokens_by_kind": {k: {t: int(n) for t, n in v.items()} for k, v in kinds.items()},
         "hit_rate_by_kind": {k: (v / needed if needed > 0 else 0.0) for k, v in kind_total.items()},
         "replay_share_of_served": kind_total["replay"] / total if total > 0 else 0.0,
+        "tags": tag_summary(vals),
     }
 
 
@@ -136,6 +159,11 @@ def render_engine(e: dict) -> list[str]:
         lines.append("computed by the engine (tokens), by why kvstore could not supply them:")
         for k, v in e["unsupplied_tokens"].items():
             lines.append(f"  {k:13s} {v}")
+    if e.get("tags"):
+        lines.append("by request tag (kvstore.tag): hit rate = pinned by kvstore / (prompt - engine-local)")
+        for t, d in e["tags"].items():
+            lines.append(f"  {t[:24]:24s} {d['hit_rate']:6.1%}  ({d['hit_tokens']} / ({d['prompt_tokens']} - "
+                         f"{d['local_tokens']}) tokens)")
     lines.append(f"blocks stored from the engine: {e['stored_blocks']}")
     return lines
 
