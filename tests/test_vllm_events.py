@@ -216,3 +216,26 @@ def test_events_cross_processes(tiny_model, tmp_path):
     finally:
         eng.close()
         sub.close()
+
+
+def test_events_of_a_hybrid_model(tmp_path):
+    """A Gemma-3 style model (a sliding-window group and a full-attention group): kvstore's blocks
+    carry each group's index, and every one is a block vLLM's own GPU events named in that group."""
+    from kvstore.bench.tiny_model import build_tiny_gemma3
+
+    model = build_tiny_gemma3(str(tmp_path / "gemma3"), window=64)
+    port = _free_port()
+    eng = _engine(model, str(tmp_path / "s"), port)
+    sub = Subscriber(port)
+    try:
+        eng.generate([prompt(20 * BS + 5, 7)], 4)
+        eng.generate([prompt(BS + 1, 8)], 4)
+        ev = sub.settle()
+    finally:
+        eng.close()
+        sub.close()
+    gpu = {(h, e.group_idx) for e in ev if type(e).__name__ == "BlockStored" and e.medium == "GPU"
+           for h in e.block_hashes}
+    for medium in ("CPU", "STORAGE"):
+        ours = {(h, e.group_idx) for e in _ours(ev, "BlockStored", medium) for h in e.block_hashes}
+        assert {g for _, g in ours} == {0, 1} and ours <= gpu, (medium, ours - gpu)
