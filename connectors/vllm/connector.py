@@ -171,8 +171,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER:
             # the worker owns the store (bytes and index) and serves the scheduler's lookups
             name = f"{engine}/tp{self.fingerprint.tp_rank}"
+            # rank 0 announces (every rank stores the same blocks): only its store keeps the journals
             self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size,
-                                         events=self.events_on)
+                                         events=self.events_on and self.fingerprint.tp_rank == 0)
             self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
                                async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
             self.server = StoreServer(self.shared, name)
