@@ -90,14 +90,14 @@ class Subscriber:
         self.ctx.term()
 
 
-def _engine(model: str, store: str, port: int, mp: bool = False) -> Engine:
+def _engine(model: str, store: str, port: int, mp: bool = False, **kw) -> Engine:
     from vllm.config import KVEventsConfig
 
     cfg = connector_config(store, dram_gb=8 * 128 * 1024 / 2**30, nvme_gb=1)  # DRAM: 8 blocks of 128 KiB
     cfg["tiers"]["nvme"].update(ttl_s=NVME_TTL, write_mode="write_through")
     return Engine(model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg), mp=mp,
                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                  endpoint=f"tcp://*:{port}", topic="kv"))
+                                                  endpoint=f"tcp://*:{port}", topic="kv"), **kw)
 
 
 def _gpu_hashes(events, tokens: list[int]) -> list[int]:
@@ -198,11 +198,13 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
         sub.close()
 
 
-def test_events_cross_processes(tiny_model, tmp_path):
-    """vLLM's multiprocess executor: the store (and the events' source) is in the worker's process;
-    the events reach the scheduler in vLLM's KVConnectorOutput."""
+def test_events_cross_processes_with_two_ranks(tiny_model, tmp_path, monkeypatch):
+    """Tensor parallelism (two worker processes, vLLM's multiprocess executor): each rank stores its
+    half of the KV heads in its own store; rank 0 announces, its events reach the scheduler in
+    vLLM's KVConnectorOutput (rank 1 hands none)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     port = _free_port()
-    eng = _engine(tiny_model, str(tmp_path / "s"), port, mp=True)
+    eng = _engine(tiny_model, str(tmp_path / "s"), port, mp=True, tensor_parallel_size=2)
     sub = Subscriber(port)
     try:
         p = prompt(3 * BS + 5, 5)
@@ -213,6 +215,7 @@ def test_events_cross_processes(tiny_model, tmp_path):
         for medium in ("CPU", "STORAGE"):
             stored = _blocks(ev, medium)
             assert [stored[x] for x in h] == [(h[i - 1] if i else None, p[i * BS:(i + 1) * BS]) for i in range(3)]
+        assert sum(len(e.block_hashes) for e in _ours(ev, "BlockStored", "CPU")) == 4  # once, not once per rank
     finally:
         eng.close()
         sub.close()
