@@ -23,7 +23,8 @@ class Moving:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.inflight: dict[bytes, tuple[Tier, Entry]] = {}
+        self.inflight: dict[bytes, tuple[Tier, Entry]] = {}  # what a lookup of a key finds
+        self.writing: set[Entry] = set()  # victims whose write is not done (a key may have two)
         self.held: set[Entry] = set()  # victims whose slot is still taken (in flight, or pinned)
 
     def __len__(self) -> int:
@@ -40,6 +41,7 @@ class Moving:
         with self.lock:
             for e in entries:
                 self.inflight[e.key] = (tier, e)
+                self.writing.add(e)
                 self.held.add(e)
 
     def pin(self, tier: Tier, keys: Sequence[bytes]) -> list[Entry | None]:
@@ -65,7 +67,7 @@ class Moving:
                     rest.append(e)
                     continue
                 e.pins -= 1
-                if not e.pins and self.inflight.get(e.key, (None, None))[1] is not e:
+                if not e.pins and e not in self.writing:
                     self.held.discard(e)
                     free.append(e)
         return rest, free
@@ -73,6 +75,7 @@ class Moving:
     def done(self, e: Entry) -> bool:
         """The write of ``e`` ended (either way): True when its slot may be freed now."""
         with self.lock:
+            self.writing.discard(e)
             if self.inflight.get(e.key, (None, None))[1] is e:
                 del self.inflight[e.key]
             free = not e.pins
