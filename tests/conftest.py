@@ -23,6 +23,20 @@ ODD_BLOCK = 5000  # a size that is not: bounce buffers and padding
 FP = ModelFingerprint(model="tiny-test", dtype="float16", block_size=16, num_layers=2, num_kv_heads=2, head_size=8)
 
 
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids of a random prompt (ids 4-499: inside the tiny models' vocabulary)."""
+    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The folder of a tiny random Llama (256 hidden, 4 layers), built once per test process;
+    a module that needs another shape defines its own ``tiny_model``."""
+    from kvstore.bench.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
+
+
 class FakeClock:
     """A settable clock: ``clock()`` reads it, ``clock.advance(s)`` moves it forward."""
 

@@ -23,19 +23,13 @@ import pytest
 
 from kvstore import failpoints
 
-from test_vllm_connector import Engine, loaded, prompt, reference
+from conftest import prompt
+from test_vllm_connector import Engine, loaded, reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SYNC = {"io": {"async_saves": False, "async_loads": False}}
 ASYNC = {"io": {"async_saves": True, "async_loads": True}}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4)
 
 
 def _open_gate_after(seconds: float) -> threading.Timer:

@@ -30,6 +30,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 vllm = pytest.importorskip("vllm")
 
 from kvstore.offload import shared as shared_mod  # noqa: E402
+from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -43,11 +44,6 @@ def tiny_model(tmp_path_factory):
     from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-codecs")), hidden=128, layers=2, seed=0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(4, 500, size=n)]
 
 
 PROMPTS = [prompt(300, 1), prompt(450, 2), prompt(200, 3), prompt(620, 4)]

@@ -201,7 +201,8 @@ def test_each_cache_busting_pattern_through_the_connector(tiny_model, tmp_path):
     a 48-block prompt of another session in between). vLLM's own prefix cache is reset after every
     request, so what a turn got came from kvstore. The served tokens split into replay and
     genuine exactly."""
-    from test_vllm_connector import Engine, prompt
+    from conftest import prompt
+    from test_vllm_connector import Engine
 
     from kvstore.offload import readout as stats
 

@@ -42,13 +42,6 @@ def _run(args: list[str], env: dict | None = None, timeout: int = 900) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("reference")
     _run(["--reference", "--model", tiny_model, "--store", str(d / "store"), "--out", str(d / "ref.json")])

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from conftest import prompt
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
@@ -30,17 +30,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
        "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
 
 
 def _start(job: dict) -> subprocess.Popen:

@@ -19,7 +19,8 @@ import pytest
 from kvstore.offload import hints
 from kvstore.offload.prefillrate import PrefillRate
 
-from test_vllm_connector import Engine, prompt, reference
+from conftest import prompt
+from test_vllm_connector import Engine, reference
 
 BS = 32
 
@@ -84,13 +85,6 @@ def test_prefill_rate_leaves_out_synchronous_loads():
     r.loaded()
     r.stop()
     assert len(seen) == 1 and seen[0] < 0.2
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4)
 
 
 def _generate(e: Engine, prompts, params):

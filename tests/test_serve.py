@@ -34,13 +34,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
 from kvstore.tiers import fileformat as ff  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
+from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -62,11 +62,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(4, 500, size=n)]
 
 
 class Server:
@@ -243,13 +238,6 @@ def check_store_folder(store: Path, namespace: str, keys: list[bytes]) -> None:
         else:
             assert p.is_file() and not p.is_symlink(), p
             assert mode == 0o600, f"{p}: file mode {mode:04o}"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
 
 
 def test_server_prefix_cache_is_not_a_hit_and_a_restart_serves_from_nvme(tiny_model, tmp_path):

@@ -24,6 +24,7 @@ vllm = pytest.importorskip("vllm")
 from kvstore.bench.engine import Engine as BenchEngine, connector_config, kv_transfer  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
+from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -32,23 +33,11 @@ ROOT = os.path.dirname(HERE)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
-
-
-@pytest.fixture(scope="module")
 def tiny_model_b(tmp_path_factory):
     """Same shapes, other weights: a different model fingerprint (other name)."""
     from kvstore.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-b")), hidden=256, layers=4, seed=1)
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(4, 500, size=n)]
 
 
 class Engine(BenchEngine):

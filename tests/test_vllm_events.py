@@ -15,7 +15,6 @@ import threading
 import time
 
 import msgspec
-import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -26,22 +25,12 @@ vllm = pytest.importorskip("vllm")
 
 from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
+from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
 BS = 32
 NVME_TTL = 6.0
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
 
 
 def _free_port() -> int:

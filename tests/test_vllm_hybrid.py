@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -28,12 +27,9 @@ vllm = pytest.importorskip("vllm")
 
 from kvstore.bench.engine import Engine as BenchEngine  # noqa: E402
 from test_vllm_connector import Engine, _drive, loaded  # noqa: E402
+from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
 
 
 def core(e: Engine):

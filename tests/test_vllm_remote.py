@@ -18,7 +18,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
 from redis_servers import redis_launcher  # noqa: E402,F401
-from test_vllm_connector import Engine, prompt, tiny_model  # noqa: E402,F401
+from conftest import prompt  # noqa: E402
+from test_vllm_connector import Engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -21,21 +20,11 @@ from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: 
 from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from kvstore.trace import read_trace  # noqa: E402
+from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
 BS = 32
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]
 
 
 def test_sessions_group_requests_and_share_the_system_prompt(tiny_model, tmp_path):
