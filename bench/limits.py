@@ -13,6 +13,17 @@ from kvstore.tiers.dram.pool import alloc_aligned
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+def _create(path: str, mode: int, direct: bool) -> tuple[int, bool]:
+    """A new file opened ``mode`` (``os.O_WRONLY``/``os.O_RDWR``), with O_DIRECT if ``direct`` and
+    the filesystem takes it (tmpfs refuses it). Returns (fd, O_DIRECT used)."""
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, os.O_CREAT | os.O_TRUNC | mode | _O_DIRECT, 0o600), True
+        except OSError:
+            pass
+    return os.open(path, os.O_CREAT | os.O_TRUNC | mode, 0o600), False
+
+
 def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     """One-thread numpy copy of ``nbytes`` between two pre-faulted buffers (median of repeats)."""
     _, src = alloc_aligned(nbytes)
@@ -37,11 +48,7 @@ def odirect_gbps(folder: str, nbytes: int, chunk: int = 4 << 20, repeats: int = 
     direct = bool(_O_DIRECT)
     wt, rt = [], []
     for _ in range(repeats):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | (_O_DIRECT if direct else 0), 0o600)
-        except OSError:
-            direct = False
-            fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+        fd, direct = _create(path, os.O_WRONLY, direct)
         t = time.perf_counter()
         for i in range(nchunks):
             os.pwrite(fd, buf, i * chunk)
@@ -73,11 +80,7 @@ def odirect_seq_rows_gbps(folder: str, src: np.ndarray, dst: np.ndarray, chunk: 
     nchunks = max(1, total // chunk)
     path = os.path.join(folder, f".kvstore-limit-seq-{os.getpid()}-{time.perf_counter_ns()}")
     direct = bool(_O_DIRECT) and s.ctypes.data % 4096 == 0 and d.ctypes.data % 4096 == 0
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | (_O_DIRECT if direct else 0), 0o600)
-    except OSError:
-        direct = False
-        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+    fd, direct = _create(path, os.O_WRONLY, direct)
     try:
         t = time.perf_counter()
         for i in range(nchunks):
@@ -141,11 +144,7 @@ def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1,
     n, bb = src.shape
     path = os.path.join(folder, f".kvstore-limit-rows-{os.getpid()}-{time.perf_counter_ns()}")
     direct = bool(_O_DIRECT) and bb % 4096 == 0 and src.ctypes.data % 4096 == 0 and dst.ctypes.data % 4096 == 0
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR | (_O_DIRECT if direct else 0), 0o600)
-    except OSError:
-        direct = False
-        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o600)
+    fd, direct = _create(path, os.O_RDWR, direct)
     try:
         def w(rows):
             for i in rows:
