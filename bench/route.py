@@ -4,12 +4,15 @@ Starts ``--engines`` engine processes (each a vLLM engine on the tiny model with
 NVMe in its own folder, and with ``--redis on`` a shared Redis tier; vLLM's own KV cache cut to
 ``--gpu-blocks`` so it cannot hold every session), and replays one agent workload: ``--sessions``
 sessions of ``--turns`` turns, every prompt starting with the same system prompt, each turn the
-previous prompt, its answer and a new user message. Requests go one at a time (TTFTs without
-queueing), each to the engine a policy of the reference router (bench/router.py) picks:
+previous prompt, its answer and a new user message. Up to ``--concurrency`` sessions have a
+request in flight at once (a session's next turn waits for its answer); each request goes to the
+engine a policy of the reference router (bench/router.py) picks, and the engines batch what they
+get. TTFT counts from the router's send: queueing at a busy engine is part of it.
 
-* ``round_robin``; ``session`` (session affinity); ``prefix`` (the longest prefix held, scored from
-  the engines' KV-event streams, where kvstore announces its DRAM and NVMe blocks, with llm-d's
-  weights GPU 1.0, CPU 0.8, STORAGE 0.4; the least-loaded engine when none holds any).
+* ``round_robin``; ``session`` (session affinity); ``prefix`` (llm-d's default profile: the prefix
+  held, scored from the engines' KV-event streams, where kvstore announces its DRAM and NVMe
+  blocks, with llm-d's weights GPU 1.0, CPU 0.8, STORAGE 0.4, weighed 3:2 against the engines'
+  requests in flight).
 
 Reported per policy, with and without Redis: the share of prompt tokens the engine already had
 (vLLM's prefix cache) and kvstore served per tier, mean and p90 TTFT, requests per engine.
@@ -20,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 
 import numpy as np
 
@@ -34,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4, help="sessions with a request in flight at once")
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--user-tokens", type=int, default=96)
     p.add_argument("--output-tokens", type=int, default=16)
@@ -81,18 +87,32 @@ def _engine_loop(idx: int, model: str, store: str, redis_url: str | None, port: 
     outq.put(("ready", idx))
     core = eng.llm.llm_engine
     sp = SamplingParams(max_tokens=a["output_tokens"], temperature=0, ignore_eos=True)
-    while (msg := inq.get()) is not None:
-        rid, tokens = msg
-        t0 = time.perf_counter()
-        core.add_request(rid, {"prompt_token_ids": tokens}, sp)
-        ttft, final = None, None
-        while core.has_unfinished_requests():
-            for o in core.step():
-                if ttft is None and o.outputs and o.outputs[0].token_ids:
-                    ttft = time.perf_counter() - t0
-                if o.finished:
-                    final = o
-        outq.put(("done", idx, rid, ttft, list(final.outputs[0].token_ids), int(final.num_cached_tokens or 0)))
+    sent: dict[str, list] = {}  # request id -> [the router's send time, TTFT]
+    stop = False
+    while not (stop and not core.has_unfinished_requests()):
+        msgs = [] if core.has_unfinished_requests() or stop else [inq.get()]  # idle: wait for work
+        while True:  # and take whatever else arrived: it joins the running batch
+            try:
+                msgs.append(inq.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            if msg is None:
+                stop = True
+                continue
+            rid, tokens, t_sent = msg
+            core.add_request(rid, {"prompt_token_ids": tokens}, sp)
+            sent[rid] = [t_sent, None]
+        if not core.has_unfinished_requests():
+            continue
+        for o in core.step():
+            s = sent[o.request_id]
+            if s[1] is None and o.outputs and o.outputs[0].token_ids:
+                s[1] = time.monotonic() - s[0]  # CLOCK_MONOTONIC: one clock for every process
+            if o.finished:
+                del sent[o.request_id]
+                outq.put(("done", idx, o.request_id, s[1], list(o.outputs[0].token_ids),
+                          int(o.num_cached_tokens or 0)))
     outq.put(("summary", idx, shared_mod.live()[0].metrics.summary()))
     eng.close()
 
@@ -199,23 +219,30 @@ def _run_one(a, model: str, policy: str, redis_url: str | None) -> dict:
     system, users, sessions = _workload(a)
     prompts = {s: list(system) for s in sessions}
     ttfts, routed = [], [0] * a.engines
-    order = np.random.default_rng(a.seed + 1)
+    ready = deque(int(i) for i in np.random.default_rng(a.seed + 1).permutation(len(sessions)))
+    turn = [0] * len(sessions)
+    inflight: dict[str, tuple[int, int, list[int]]] = {}  # request id -> (session, engine, prompt)
     n = 0
     try:
-        for t in range(a.turns):
-            for si in order.permutation(len(sessions)):
-                s = sessions[si]
-                prompt = prompts[s] + users[si][t]
+        while ready or inflight:
+            while ready and len(inflight) < max(1, a.concurrency):
+                si = ready.popleft()
+                prompt = prompts[sessions[si]] + users[si][turn[si]]
                 events.drain(router)
-                e = router.pick(s, prompt)
+                e = router.pick(sessions[si], prompt)
                 routed[e] += 1
-                inqs[e].put((f"r{n}", prompt))
+                inflight[f"r{n}"] = (si, e, prompt)
+                inqs[e].put((f"r{n}", prompt, time.monotonic()))
                 n += 1
-                msg = get()
-                router.done(e)
-                ttfts.append(msg[3])
-                prompts[s] = prompt + msg[4]
-                events.drain(router, wait_ms=20)  # what the request's last steps announced
+            msg = get()
+            si, e, prompt = inflight.pop(msg[2])
+            router.done(e)
+            ttfts.append(msg[3])
+            prompts[sessions[si]] = prompt + msg[4]
+            turn[si] += 1
+            if turn[si] < a.turns:
+                ready.append(si)  # its next turn, after the sessions already waiting
+            events.drain(router, wait_ms=20 if not inflight else 2)  # what the request's last steps announced
         for q in inqs:
             q.put(None)
         summaries = {}
@@ -247,7 +274,8 @@ def _run_one(a, model: str, policy: str, redis_url: str | None) -> dict:
 def report(rows: list[dict], a) -> str:
     out = [f"kvstore bench route: {a.engines} engines, {a.sessions} sessions x {a.turns} turns, system prompt "
            f"{a.system_tokens} tokens, +{a.user_tokens} user / {a.output_tokens} output tokens a turn; vLLM's own "
-           f"cache {a.gpu_blocks} blocks, kvstore DRAM {a.dram_blocks} blocks per engine; one request at a time",
+           f"cache {a.gpu_blocks} blocks, kvstore DRAM {a.dram_blocks} blocks per engine; {a.concurrency} "
+           f"session(s) in flight",
            "", "| policy | redis | requests per engine | engine-local hit | kvstore dram | nvme | redis | "
            "TTFT mean ms | p90 ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -256,9 +284,9 @@ def report(rows: list[dict], a) -> str:
                    f" | {r['engine_local_share']:.1%} | {k['dram']:.1%} | {k['nvme']:.1%} | {k['remote']:.1%} | "
                    f"{r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} |")
     out.append("")
-    out.append("Shares are of all prompt tokens. prefix: llm-d's weights (GPU 1.0, CPU 0.8, STORAGE 0.4) over the "
-               "engines' KV events; the least-loaded engine when none holds a block (one request at a time: no "
-               "engine is ever loaded, so the prefix score alone decides).")
+    out.append("Shares are of all prompt tokens; TTFT from the router's send (queueing included). prefix: "
+               "llm-d's default profile, 3 x the prefix held (tier weights GPU 1.0, CPU 0.8, STORAGE 0.4, from "
+               "the engines' KV events) + 2 x the queue score (requests in flight).")
     return "\n".join(out)
 
 

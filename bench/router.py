@@ -8,9 +8,12 @@ parent it never saw cannot be placed and is skipped. :class:`Router` picks an en
 
 * ``round_robin``: in turn;
 * ``session``: a session always goes to the same engine (a hash of its id);
-* ``prefix``: the engine holding the longest prefix of the prompt, each block scored by the best
-  medium it holds it on (llm-d's weights: GPU 1.0, CPU 0.8, STORAGE 0.4), falling back to the
-  least-loaded engine when none holds any (or on a tie).
+* ``prefix``: llm-d's default profile: 3 x a prefix score plus 2 x a queue score, the highest
+  wins. The prefix score is the share of the prompt's blocks an engine holds from its start,
+  each block weighted by the best medium it holds it on (llm-d's weights: GPU 1.0, CPU 0.8,
+  STORAGE 0.4); the queue score is 1 for the least-loaded engine and 0 for the most loaded
+  (requests in flight). So a whole prefix in HBM beats any load, and a loaded engine holding
+  half of it loses to an idle one holding none; ties go to the engine routed to least.
 
     router = Router(n_engines, "prefix", block_size=32)
     router.apply(engine, batch.events)        # each decoded KVEventBatch of each engine
@@ -28,6 +31,7 @@ import numpy as np
 import xxhash
 
 WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.4}  # llm-d's tier weights; an unknown medium scores 0
+PREFIX_WEIGHT, QUEUE_WEIGHT = 3.0, 2.0  # llm-d's default scheduler profile (prefix cache, queue depth)
 POLICIES = ("round_robin", "session", "prefix")
 ROOT = b"\0" * 16
 
@@ -131,14 +135,25 @@ class Router:
             e = zlib.crc32(session.encode()) % self.n
         else:
             s = self.index.scores(tokens, self.n)
-            best = max(s)
-            if best <= 0:
-                self.fallbacks += 1
-            cands = [i for i, v in enumerate(s) if v == best]
-            e = min(cands, key=lambda i: (self.load[i], self.routed[i], i))  # least-loaded among the best
+            if max(s) <= 0:
+                self.fallbacks += 1  # no engine holds any of it: the queue score alone decides
+            total = [PREFIX_WEIGHT * p + QUEUE_WEIGHT * q
+                     for p, q in zip(self.prefix_scores(tokens, s), self.queue_scores())]
+            best = max(total)
+            e = min((i for i, v in enumerate(total) if v >= best - 1e-9), key=lambda i: (self.routed[i], i))
         self.load[e] += 1
         self.routed[e] += 1
         return e
+
+    def prefix_scores(self, tokens: Sequence[int], scores: list[float]) -> list[float]:
+        """Per engine, in [0, 1]: its weighted prefix over the prompt's whole blocks."""
+        n = len(tokens) // self.index.bs
+        return [v / n if n else 0.0 for v in scores]
+
+    def queue_scores(self) -> list[float]:
+        """Per engine, in [0, 1]: 1 for the least-loaded, 0 for the most (all 1 when equal)."""
+        lo, hi = min(self.load), max(self.load)
+        return [1.0 if hi == lo else (hi - q) / (hi - lo) for q in self.load]
 
     def done(self, engine: int) -> None:
         self.load[engine] -= 1

@@ -53,3 +53,18 @@ def test_fallback_is_the_least_loaded_engine_and_the_other_policies():
     assert len({s.pick("conv-1", []) for _ in range(5)}) == 1
     with pytest.raises(ValueError, match="policy"):
         Router(2, "random", block_size=BS)
+
+
+def test_prefix_and_load_are_weighed_as_llm_d_does():
+    """3 x the prefix share + 2 x the queue score: a whole prefix in HBM outweighs any load; a
+    loaded engine holding half of it loses to an idle one holding none."""
+    r = Router(2, "prefix", block_size=BS)
+    p = list(range(200, 216))  # four blocks
+    r.apply(0, [stored([1, 2, 3, 4], None, p, "GPU")])
+    r.load = [5, 0]
+    assert r.pick("a", p) == 0  # 3 x 1.0 + 0 > 0 + 2 x 1
+    r = Router(2, "prefix", block_size=BS)
+    r.apply(0, [stored([1, 2], None, p[:8], "GPU")])
+    assert r.pick("a", p) == 0  # idle both: the half prefix decides
+    assert r.pick("b", p) == 1  # engine 0 has one in flight: 3 x 0.5 + 0 < 0 + 2 x 1
+    assert r.fallbacks == 0
