@@ -53,7 +53,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_main(idx: int, model: str, store: str, redis_url: str | None, port: int, a: dict, inq, outq) -> None:
     """One engine process: requests in, (TTFT, output, cached tokens) out, kvstore's summary last;
-    a failure goes out as ("error", idx, text) so the bench stops instead of waiting."""
+    a failure goes out as ("error", idx, text) so the bench stops instead of waiting. Its output
+    (vLLM's logs) goes to stderr: stdout is the bench's table or JSON alone."""
+    os.dup2(2, 1)
     try:
         _engine_loop(idx, model, store, redis_url, port, a, inq, outq)
     except BaseException:
