@@ -68,3 +68,22 @@ def test_prefix_and_load_are_weighed_as_llm_d_does():
     assert r.pick("a", p) == 0  # idle both: the half prefix decides
     assert r.pick("b", p) == 1  # engine 0 has one in flight: 3 x 0.5 + 0 < 0 + 2 x 1
     assert r.fallbacks == 0
+
+
+@pytest.mark.vllm
+def test_bench_route_end_to_end(capsys):
+    """The whole bench, small: 2 engine processes with kvstore, a shared Redis, 3 sessions x 2 turns
+    one at a time. Round robin moves a session's second turn to the other engine (3 sessions on
+    2 engines), which loads its history from Redis; the prefix policy reads the engines' events."""
+    from kvstore.bench.route import main
+
+    res = main(["--sessions", "3", "--turns", "2", "--system-tokens", "256", "--policies", "round_robin,prefix",
+                "--redis", "on", "--concurrency", "1", "--json"])
+    rr, px = res["rows"]
+    assert (rr["policy"], px["policy"]) == ("round_robin", "prefix")
+    assert rr["requests"] == px["requests"] == 6 and rr["requests_per_engine"] == [3, 3]
+    assert sum(px["requests_per_engine"]) == 6
+    assert rr["kvstore_share"]["remote"] > 0  # the moved turns' history, from Redis
+    assert rr["engine_local_share"] > 0  # the system prompt, in each engine's own cache
+    assert px["events"] > 0 and px["unplaced_events"] == 0 and px["prefix_fallbacks"] >= 1
+    assert '"rows"' in capsys.readouterr().out
