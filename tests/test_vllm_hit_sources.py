@@ -48,3 +48,31 @@ def test_hits_by_source(tiny_model, tmp_path):
             assert got == {source: 4 * BS}, got
     finally:
         eng.close()
+
+
+def test_hits_from_redis_are_external(tiny_model, tmp_path):
+    """A second engine (its own empty DRAM and NVMe) finds the first engine's blocks in the shared
+    Redis tier: vLLM counts them as ``external_unspecified`` (its name for a remote store)."""
+    from kvstore.bench import redis_local
+
+    p1 = prompt(4 * BS + 10, 3)
+    with redis_local.start() as r:
+        remote = {"url": r.url, "timeout_ms": 2000}
+        a = Engine(tiny_model, block_size=BS, max_len=2048, disable_log_stats=False,
+                   kv_transfer=kv_transfer(connector_config(str(tmp_path / "a"), dram_gb=0.05, nvme_gb=1,
+                                                            remote=remote)))
+        try:
+            a.generate([p1], 2)
+        finally:
+            a.close()  # its writes to Redis are done by the end of close
+        b = Engine(tiny_model, block_size=BS, max_len=2048, disable_log_stats=False,
+                   kv_transfer=kv_transfer(connector_config(str(tmp_path / "b"), dram_gb=0.05, nvme_gb=1,
+                                                            remote=remote)))
+        try:
+            before = by_source(b)
+            _, cached = b.generate([p1], 2)
+            assert cached == [4 * BS]
+            got = {k: v - before.get(k, 0) for k, v in by_source(b).items() if v - before.get(k, 0)}
+            assert got == {"external_unspecified": 4 * BS}, got
+        finally:
+            b.close()
