@@ -81,6 +81,24 @@ def _retry_now(tier: RedisClient) -> None:
 
 
 # -- deadlines ---------------------------------------------------------------------------------
+def _within_bound(srv, tier: RedisClient, op, what: tuple):
+    """``op(attempt)`` ends within BOUND, reaching the server and counting a failure. A call the
+    machine stalled (once in ~1,500 tests on a loaded 2-core CI run: 0.72 s against a server that
+    answers at once) is measured again, at most twice, on fresh keys: a call that is not bounded
+    fails every time."""
+    times = []
+    for attempt in range(3):
+        _retry_now(tier)
+        n0, f0 = len(srv.commands), _failures(tier)
+        dt, got = elapsed(op, attempt)
+        assert len(srv.commands) > n0, what  # it did go to the server
+        assert _failures(tier) > f0, what  # and counted a failure (a bad handshake too)
+        times.append(dt)
+        if dt < BOUND:
+            return got
+    raise AssertionError((*what, times))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_store_calls_end_by_the_deadline(mode):
     """Before: the trickler held one lookup for 9.6 s and close() for 3 s (12.4 s with more
@@ -88,25 +106,21 @@ def test_store_calls_end_by_the_deadline(mode):
     out of KVStore()."""
     with FakeRedis(mode) as srv:
         s = _store(srv.url, timeout_ms=T_MS)  # the start-up check fails: a warning, the store runs on DRAM
+        # fresh keys for each call (a lookup's "absent" is remembered for a second)
+        ks = [make_keys(32, seed=1 + a) for a in range(3)]
         try:
             assert s.remote is not None and not s.remote.up
-            keys = make_keys(32, seed=1)
             out = np.zeros((4, BLOCK), np.uint8)
-            # fresh keys for each (a lookup's "absent" is remembered for a second)
-            for name, op in (("lookup", lambda: s.contains_prefix(keys)), ("load", lambda: s.get(keys[8:12], out)),
-                             ("tier load", lambda: s.remote.client.get(keys[:4], list(out))),
-                             ("store", lambda: (s.put(keys[16:20], blocks_for(keys[16:20])), s.flush()))):
-                _retry_now(s.remote.client)
-                n0, f0 = len(srv.commands), _failures(s.remote.client)
-                dt, got = elapsed(op)
-                assert dt < BOUND, (mode, name, dt)
-                assert len(srv.commands) > n0, (mode, name)  # it did go to the server
-                assert _failures(s.remote.client) > f0, (mode, name)  # and counted a failure (a bad handshake too)
+            for name, op in (("lookup", lambda a: s.contains_prefix(ks[a])),
+                             ("load", lambda a: s.get(ks[a][8:12], out)),
+                             ("tier load", lambda a: s.remote.client.get(ks[a][:4], list(out))),
+                             ("store", lambda a: (s.put(ks[a][16:20], blocks_for(ks[a][16:20])), s.flush()))):
+                got = _within_bound(srv, s.remote.client, op, (mode, name))
             assert got[0] == 4  # the store kept them in DRAM
             assert s.remote.stats["puts"] == 0 and s.remote.stats["hits"] == 0
         finally:
             _retry_now(s.remote.client)
-            s.put(keys[24:28], blocks_for(keys[24:28]))  # a write-through in flight
+            s.put(ks[0][24:28], blocks_for(ks[0][24:28]))  # a write-through in flight
             dt, _ = elapsed(s.close)
         assert dt < BOUND, (mode, "close", dt)
         if mode in ("trickle", "slow_big", "silent"):
