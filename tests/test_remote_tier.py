@@ -325,7 +325,13 @@ def test_moved_slot_is_a_miss_then_followed(redis_cluster):
     owner = redis_cluster.node_of(t.redis_key(k))
     target = next(s for s in redis_cluster.servers if s is not owner)
     target_id = target.client().execute_command("CLUSTER", "MYID")
-    for s in [target] + [s for s in redis_cluster.servers if s is not target]:
+    owner_id = owner.client().execute_command("CLUSTER", "MYID")
+    # a live resharding of the (empty) slot, in Redis's order: the importing node's SETSLOT NODE bumps
+    # its config epoch, so the new owner wins the gossip (SETSLOT NODE alone, on every node, raced it:
+    # a node could take the old map back, and the second put met MOVED again, once in a CI run)
+    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", owner_id)
+    owner.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    for s in [target, owner] + [s for s in redis_cluster.servers if s not in (target, owner)]:
         s.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
     assert t.put([k], [b]) == [False]  # the old owner answers MOVED
     assert t.stats["errors_put"] == 1 and t.available
