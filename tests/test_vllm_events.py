@@ -139,9 +139,14 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
         ev = sub.settle()
         assert set(h1) <= _hashes(ev, "BlockRemoved", "CPU")
         assert not set(h1) & _hashes(ev, "BlockRemoved", "STORAGE")
-        # (one 10-block batch into 8 DRAM slots: the blocks that found no slot are not stored)
+        # one 10-block batch into 8 DRAM slots: the blocks that found no slot are not stored, and how
+        # many find one depends on the write-through copies still pinning theirs (5 of 10 once in a
+        # loaded CI run, 6-7 here): what is announced on NVMe is exactly what the NVMe tier holds
         h2 = [h for h in _gpu_hashes(ev, p2) if h in _blocks(ev, "STORAGE")]
-        assert len(h2) >= 6
+        st = shared_mod.live()[0].store
+        held = {int.from_bytes(st.events.meta[k].block_hash, "big") & (2**64 - 1)
+                for k in list(st.nvme.index.entries) if k in st.events.meta}
+        assert h2 and set(h2) == {h for h in _gpu_hashes(ev, p2) if h in held}
 
         # a damaged file: p1's block 1 fails its checksum when p1 is loaded from NVMe
         sh = shared_mod.live()[0]
