@@ -23,6 +23,15 @@ ODD_BLOCK = 5000  # a size that is not: bounce buffers and padding
 FP = ModelFingerprint(model="tiny-test", dtype="float16", block_size=16, num_layers=2, num_kv_heads=2, head_size=8)
 
 
+def in_process_vllm():
+    """vLLM for a test module that runs engines in this process (the module is skipped without
+    it): a 1 GiB CPU KV cache unless set, no model hub, the engine core in this process."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return pytest.importorskip("vllm")
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     """``n`` token ids of a random prompt (ids 4-499: inside the tiny models' vocabulary)."""
     return [int(x) for x in np.random.default_rng(seed).integers(4, 500, size=n)]

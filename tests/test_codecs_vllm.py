@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from conftest import in_process_vllm  # noqa: E402
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from conftest import prompt  # noqa: E402

@@ -4,15 +4,12 @@ connector's ``get_external_cache_hit_sources`` (DRAM -> host, NVMe -> disk, Redi
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from conftest import in_process_vllm  # noqa: E402
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 
 from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from conftest import prompt  # noqa: E402

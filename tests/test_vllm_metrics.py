@@ -3,16 +3,13 @@ store as ``vllm:kvstore_*``, through vLLM's connector stats hooks (no port of kv
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from conftest import in_process_vllm  # noqa: E402
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 
 from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402

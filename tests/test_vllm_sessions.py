@@ -6,15 +6,12 @@ turns of one conversation."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from conftest import in_process_vllm  # noqa: E402
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 
 from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
