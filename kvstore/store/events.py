@@ -108,7 +108,7 @@ class TierEvents:
 
     def due(self, now: float) -> bool:
         """Is anything past its TTL in an announced tier (a sweep would remove it)?"""
-        return any(t.index._heap and t.index._heap[0][0] <= now for t in self.all)
+        return any(t.index.due(now) for t in self.all)
 
     def take(self) -> list[tuple[bool, str, BlockMeta]]:
         """(STORED or REMOVED, tier name, metadata) since the last call, in order per tier."""

@@ -154,6 +154,10 @@ class TierIndex:
         if cur is not None and ttl > cur:
             e.ttl = e.hint = ttl
 
+    def due(self, now: float) -> bool:
+        """Is a TTL deadline past ``now`` (an expiry for :meth:`expire`, or a stale item it drops)?"""
+        return bool(self._heap) and self._heap[0][0] <= now
+
     def expire(self, now: float, limit: int | None = None) -> list[Entry]:
         """Remove up to ``limit`` expired, unpinned entries (the oldest deadlines first)."""
         limit = self.max_expire if limit is None else limit
