@@ -180,7 +180,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("%s", sizing_line(self.config, block_bytes, self.block_size, self.fingerprint.model))
             self.clock = HookClock(self.shared.metrics.hooks, "worker")
             # rank 0's counters and gauges on vLLM's /metrics (kvstore.connectors.vllm.stats)
-            self.stats = StatsTaker(self.shared.store.metrics.registry) if self.fingerprint.tp_rank == 0 else None
+            store = self.shared.store
+            self.stats = (StatsTaker(store.metrics.registry, refresh=lambda: store.metrics.gauges(store.chain.local))
+                          if self.fingerprint.tp_rank == 0 else None)
         else:
             # the scheduler asks rank 0's store: in this process if it is here, else over a socket;
             # with tensor parallelism every rank's, answered as one (kvstore.offload.ranks)
@@ -430,7 +432,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """Worker: kvstore's counters' increments and gauges, at most once a second."""
         if self.stats is None:
             return None
-        self.shared.store.metrics.gauges(self.shared.store.chain.local)
         data = self.stats.take()
         return KVStoreStats(data=data) if data else None
 

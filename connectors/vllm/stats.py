@@ -53,9 +53,10 @@ def _key(name: str, values: list[str]) -> str:
 class StatsTaker:
     """The worker's side: what changed in a store's registry since the last take."""
 
-    def __init__(self, registry: CollectorRegistry, every_s: float = EVERY_S):
+    def __init__(self, registry: CollectorRegistry, every_s: float = EVERY_S, refresh=None):
         self.registry = registry
         self.every_s = every_s
+        self.refresh = refresh  # brings the gauges up to date, when a take is due (not every step)
         self._next = 0.0
         self._last: dict[str, float] = {}
 
@@ -64,6 +65,8 @@ class StatsTaker:
         if now < self._next:
             return None
         self._next = now + self.every_s
+        if self.refresh is not None:
+            self.refresh()
         counters, gauges = {}, {}
         for c in list(self.registry._collector_to_names):
             if not isinstance(c, (Counter, Gauge)):
