@@ -8,7 +8,10 @@
 #   2. bandwidth: bench/gpu_bench.py (gather/scatter vs cudaMemcpyAsync of the same bytes, at
 #      16/32/128-token blocks, 1/16/256 blocks per call, idle and under a bf16 matmul; the slab's
 #      RSS against its capacity and its copy speed);
-#   3. compute-sanitizer memcheck on a subset (bench/gpu_sanitize.py);
+#   3. kvstore beside vLLM native's path (bench/gpu_native.py: cuMemcpyBatchAsync per block list and
+#      cudaMemcpyAsync of the same bytes, 2 MiB and 64 KiB blocks, 16/64/256 a call; the forward-pass
+#      clock against torch.cuda.Event) (issue 28);
+#   4. compute-sanitizer memcheck and racecheck on a subset (bench/gpu_sanitize.py);
 # and write report.md + JSON into the folder given (default: out/gpu_copy).
 #
 #   bash bench/gpu_copy.sh OUT_DIR                 # from anywhere
@@ -19,7 +22,8 @@
 #
 # Knobs: PYTHON (default python3), KVCOPY_CUDA_ARCHS (default "90", H100/H200),
 # KVCOPY_BUILD_DIR (default: a fresh temp dir), BENCH_ARGS (extra flags for bench/gpu_bench.py,
-# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), SKIP_TESTS=1, SKIP_BENCH=1, SKIP_SANITIZER=1, SANITIZER_TIMEOUT (default 240 s).
+# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), SKIP_TESTS=1, SKIP_NATIVE=1, SKIP_BENCH=1, SKIP_SANITIZER=1,
+# SANITIZER_TOOLS (default "memcheck racecheck"), SANITIZER_TIMEOUT (default 240 s per tool).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,6 +96,13 @@ $CMAKE --build "$BUILD" -j "$(nproc)" >>"$LOG" 2>&1 || fail "build (see $LOG)"
 $CMAKE --install "$BUILD" --prefix "$REPO" >>"$LOG" 2>&1 || fail "install (see $LOG)"
 log "built in $(( $(date +%s) - t0 )) s: $(ls "$REPO"/kvstore/_kvcopy_*.so | xargs -n1 basename | tr '\n' ' ')"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# installed, bench/ and connectors/ are kvstore.bench and kvstore.connectors (pyproject's wheel.packages);
+# from this source tree, links make them so for this run, removed at exit
+LINKS=()
+for d in bench connectors; do
+  [ -e "$REPO/kvstore/$d" ] || { ln -s "../$d" "$REPO/kvstore/$d" && LINKS+=("$REPO/kvstore/$d"); }
+done
+trap 'rm -f "${LINKS[@]}"' EXIT
 "$PY" -c "
 from kvstore import kvcopy
 cu = kvcopy.cuda_module()
@@ -107,7 +118,34 @@ rc=$?
 tail -n 25 "$OUT/pytest.txt" | tee -a "$LOG"
 [ $rc -eq 0 ] || { log "tests failed (rc=$rc), see $OUT/pytest.txt"; status=1; }
 
-# ----------------------------------------------------------------- 4. benchmark
+# ------------------------------------------------- 4. beside vLLM native's copies
+if [ "${SKIP_NATIVE:-0}" != "1" ]; then
+  log "kvstore vs cudaMemcpyAsync vs vLLM native's cuMemcpyBatchAsync, and the forward-pass clock (bench/gpu_native.py)"
+  timeout "${NATIVE_TIMEOUT:-200}" "$PY" -m kvstore.bench.gpu_native --out "$OUT" >>"$LOG" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || { log "gpu_native failed (rc=$rc)"; status=1; }
+fi
+
+# ------------------------------------------------- 5. memcheck and racecheck subset
+if [ "${SKIP_SANITIZER:-0}" != "1" ]; then
+  CS="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+  if [ -n "$CS" ]; then
+    for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
+      log "compute-sanitizer $tool on bench/gpu_sanitize.py"
+      t0=$(date +%s)
+      timeout "${SANITIZER_TIMEOUT:-240}" "$CS" --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        "$PY" -m kvstore.bench.gpu_sanitize >"$OUT/sanitizer_$tool.txt" 2>&1
+      rc=$?
+      tail -n 6 "$OUT/sanitizer_$tool.txt" | tee -a "$LOG"
+      log "$tool rc=$rc in $(( $(date +%s) - t0 )) s"
+      [ $rc -eq 0 ] || status=1
+    done
+  else
+    log "compute-sanitizer not found: memcheck skipped"; status=1
+  fi
+fi
+
+# ----------------------------------------------------------------- 6. benchmark
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   log "GPU benchmark (bench/gpu_bench.py)"
   # shellcheck disable=SC2086
@@ -116,29 +154,15 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
   [ $rc -eq 0 ] || { log "GPU benchmark failed (rc=$rc)"; status=1; }
 fi
 
-# ------------------------------------------------------------ 5. memcheck subset
-if [ "${SKIP_SANITIZER:-0}" != "1" ]; then
-  CS="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
-  if [ -n "$CS" ]; then
-    log "compute-sanitizer memcheck on bench/gpu_sanitize.py"
-    t0=$(date +%s)
-    timeout "${SANITIZER_TIMEOUT:-240}" "$CS" --tool memcheck --error-exitcode 9 --print-limit 20 \
-      "$PY" -m kvstore.bench.gpu_sanitize >"$OUT/sanitizer.txt" 2>&1
-    rc=$?
-    tail -n 6 "$OUT/sanitizer.txt" | tee -a "$LOG"
-    log "memcheck rc=$rc in $(( $(date +%s) - t0 )) s"
-    [ $rc -eq 0 ] || status=1
-  else
-    log "compute-sanitizer not found: memcheck skipped"; status=1
-  fi
-fi
-
-# -------------------------------------------------------------------- 6. report
+# -------------------------------------------------------------------- 7. report
 {
   echo "# bench/gpu_copy.sh report ($(date -u +%FT%TZ), status $status)"
   echo; echo '```'; grep -E "^NVIDIA|Driver Version|torch |nvcc|release" "$OUT/env.txt" | head -6; echo '```'
   echo; echo "## Tests"; echo '```'; tail -n 15 "$OUT/pytest.txt"; echo '```'
-  echo; echo "## compute-sanitizer memcheck"; echo '```'; tail -n 6 "$OUT/sanitizer.txt" 2>/dev/null; echo '```'
+  for tool in memcheck racecheck; do
+    echo; echo "## compute-sanitizer $tool"; echo '```'; tail -n 6 "$OUT/sanitizer_$tool.txt" 2>/dev/null; echo '```'
+  done
+  echo; cat "$OUT/gpu_native.md" 2>/dev/null
   echo; cat "$OUT/gpu_bench.md" 2>/dev/null
 } >"$OUT/report.md"
 

@@ -194,3 +194,72 @@ def test_prefill_rate_times_the_gpu_not_the_host():
     r.stop()
     assert len(seen) == 1 and seen[0][0] == 1024 and seen[0][2] == 5000
     assert seen[0][1] > 0.005 and seen[0][1] > 2 * host_s, (seen, host_s)
+    # step by step, the clock agrees with torch.cuda.Event pairs around the same matmuls within 10 %
+    seen.clear()
+    refs = []
+    for size, reps in ((2048, 100), (4096, 20), (8192, 4), (8192, 12)):
+        m = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            torch.cuda.synchronize()
+            r.start(1024, 1024)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(reps):
+                m @ m
+            e.record()
+            r.stop()
+            refs.append((s, e))
+    torch.cuda.synchronize()
+    r.start(0, 0)
+    assert len(seen) == len(refs)
+    ratios = [got[1] / (s.elapsed_time(e) / 1e3) for got, (s, e) in zip(seen, refs)]
+    assert all(0.9 <= x <= 1.1 for x in ratios), ratios
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_async_save_is_ordered_after_the_kernel_that_writes_the_blocks(tmp_path):
+    """The forward pass writes the blocks on the compute stream behind a deliberately slow kernel
+    (``torch.cuda._sleep``, ~0.3 s); the save is asked for at once, with no host sync. The side
+    stream's gathers wait on the compute stream's event, so the store holds the new bytes, never
+    the blocks' old contents (which a gather that ran at once would read)."""
+    gen = torch.Generator().manual_seed(28)
+    caches, layout = _paged_cache("cuda", gen)
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(64, layout.block_bytes), "pin_memory": True}}})
+    fp = ModelFingerprint(model="gpu-order", dtype="bfloat16", block_size=BS, num_layers=L, num_kv_heads=H,
+                          head_size=D, layout=layout.fingerprint())
+    shared = acquire_shared("gpu-test/order", cfg, fp, layout.block_bytes, BS)
+    mover = None
+    try:
+        mover = Mover(shared, async_saves=True, async_loads=True)
+        mover.register(caches, layout)
+        for r in range(3):  # round 0 without the slow kernel: the copy path's first allocations
+            n = 16
+            src_ids, dst_ids = list(range(n)), list(range(NB - n, NB))
+            keys = chain_keys(shared.store.root, list(range(5000 * (r + 1), 5000 * (r + 1) + n * BS)), BS)
+            new = [torch.randint(0, 256, (2, n, BS, H, D * 2), dtype=torch.uint8, generator=gen).to("cuda")
+                   .view(DTYPE) for _ in caches]
+            torch.cuda.synchronize()
+            idx = torch.as_tensor(src_ids, device="cuda")
+            if r:
+                torch.cuda._sleep(600_000_000)  # cycles: 0.3 s at 2 GHz
+            for c, v in zip(caches, new):  # queued behind the slow kernel
+                c.index_copy_(1, idx, v)
+            written = torch.cuda.current_stream().record_event()
+            assert r == 0 or not written.query(), "the slow kernel ended before the save: no ordering tested"
+            mover.save(StepPlan(stores=[StorePlan("a", src_ids, keys, start=0)], step=1 + r))
+            assert mover.jobs.wait_idle(30)
+            assert mover.get_finished({"a"}) == ({"a"}, None)
+            for c in caches:
+                c[:, dst_ids] = 0
+            hid, got, tiers = LocalClient(shared).begin_load(keys)
+            assert got == n
+            mover.load(StepPlan(async_loads=[LoadPlan("b", dst_ids, hid, n * BS, tiers=tuple(tiers))], step=50 + r))
+            assert mover.jobs.wait_idle(30)
+            assert mover.get_finished(set()) == (None, {"b"})
+            want = torch.stack([v.transpose(0, 1) for v in new], 1).view(torch.uint8).cpu()
+            assert torch.equal(_block_bytes(caches, dst_ids), want), f"round {r}: the store holds the old bytes"
+    finally:
+        if mover is not None:
+            mover.close()
+        release_shared(shared)
