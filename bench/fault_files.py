@@ -13,7 +13,7 @@ def block_files(store: str, keys: list[bytes]) -> list[Path]:
     out = []
     for k in keys:
         h = k.hex()
-        out += list(Path(store).glob(f"kvstore-*/{h[:2]}/{h[2:4]}/{h}.kvb"))
+        out += list(Path(store).glob(f"kvstore-*/{h[:2]}/{h}.kvb"))
     return out
 
 

@@ -126,7 +126,7 @@ def _nvme_of(store_or_tier):
 def nvme_files(store_or_tier) -> list[Path]:
     """Block files currently on disk for a store's (or tier's) namespace folder."""
     tier = _nvme_of(store_or_tier)
-    return sorted(p for p in Path(tier.root).rglob("*" + ff.SUFFIX) if p.parent.parent.parent == Path(tier.root))
+    return sorted(p for p in Path(tier.root).rglob("*" + ff.SUFFIX) if p.parent.parent == Path(tier.root))
 
 
 def tmp_files(store_or_tier) -> list[Path]:

@@ -100,7 +100,7 @@ def test_tiers_nvme_paths_share_each_limit(tmp_path):
     text = tiers.render(data)
     assert "kvstore blockio (engine threads, depth 3)" in text and "kvstore (engine off)" in text
     assert "put, full cache" in text
-    assert not list(tmp_path.glob("*/kvstore-*/*/*/*.kvb"))  # each path's files removed after its round
+    assert not list(tmp_path.glob("*/kvstore-*/*/*.kvb"))  # each path's files removed after its round
 
 
 def test_the_sequential_limit_moves_the_rows_themselves(tmp_path):

@@ -306,8 +306,8 @@ def test_codec_mismatch_is_never_served(tmp_path, clock):
     root = s.nvme.root
     s.close()
     for k in keys:
-        src = fp8_root / k.hex()[:2] / k.hex()[2:4] / (k.hex() + ff.SUFFIX)
-        dst = root / k.hex()[:2] / k.hex()[2:4] / (k.hex() + ff.SUFFIX)
+        src = fp8_root / k.hex()[:2] / (k.hex() + ff.SUFFIX)
+        dst = root / k.hex()[:2] / (k.hex() + ff.SUFFIX)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
     s = KVStore(codec_config(path, "int8+zstd", dram_blocks=0), block_bytes=BB, fingerprint=FP16, clock=clock)

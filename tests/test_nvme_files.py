@@ -282,6 +282,52 @@ def test_misplaced_file_at_startup_scan(make_store):
     assert read_n(s2, keys) == 1
 
 
+def test_a_misplaced_file_in_a_fan_out_folder_at_startup_scan(make_store):
+    s = nvme_only(make_store)
+    keys = [k for k in make_keys(8) if not k.hex().startswith("00")][:1]
+    s.put(keys, blocks_for(keys))
+    s.close()
+    good = s.nvme.path_of(keys[0])
+    wrong = Path(s.nvme.root) / "00" / good.name
+    wrong.parent.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(good, wrong)
+    s2 = nvme_only(make_store)
+    assert not wrong.exists() and corrupt(s2, "misplaced") == 1
+    assert read_n(s2, keys) == 1
+
+
+def test_the_two_level_layout_is_moved_up_at_the_scan(make_store):
+    """A cache written by kvstore before the one-level layout (``<k0k1>/<k2k3>/<key>.kvb``): the scan
+    checks each file as always, moves it up into ``<k0k1>/``, removes the old folders; a key found in
+    both places is kept once; a file misplaced in an old folder is dropped. All served, byte for byte."""
+    s = nvme_only(make_store)
+    keys = make_keys(10)
+    assert s.put(keys, blocks_for(keys)) == 10
+    s.close()
+    root = Path(s.nvme.root)
+    for k in keys[:9]:  # keys[9] stays where the new layout puts it
+        p = s.nvme.path_of(k)
+        old = p.parent / k.hex()[2:4] / p.name
+        old.parent.mkdir(mode=0o700, exist_ok=True)
+        if k == keys[0]:
+            shutil.copyfile(p, old)  # in both places
+        else:
+            p.rename(old)
+    stray = keys[1].hex()[:2]
+    bad = root / stray / "ff" / (keys[1].hex()[:2] + "fe" + keys[1].hex()[4:] + ".kvb")
+    bad.parent.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(root / stray / keys[1].hex()[2:4] / (keys[1].hex() + ".kvb"), bad)  # wrong name there
+    s2 = nvme_only(make_store)
+    assert s2.nvme.stats["scanned"] == 10 and corrupt(s2, "misplaced") == 1 and s2.nvme.stats["corrupt"] == 1
+    assert sorted(nvme_files(s2)) == sorted(s2.nvme.path_of(k) for k in keys)
+    assert not [d for d in root.glob("*/*") if d.is_dir()]  # no old folder left
+    assert read_n(s2, keys) == 10
+    check_store(s2)
+    s2.close()
+    s3 = nvme_only(make_store)  # and nothing to move or count the next time
+    assert s3.nvme.stats["scanned"] == 10 and s3.nvme.stats["corrupt"] == 0 and read_n(s3, keys) == 10
+
+
 @pytest.mark.parametrize("how", ["payload", "deleted"])
 def test_a_bad_file_leaves_the_index_at_its_first_failed_read_even_while_pinned(make_store, how):
     """Three loads pin the same blocks (vLLM schedules requests that share a prefix together);
@@ -417,7 +463,7 @@ def test_symlinked_fanout_folder_is_never_followed(make_store, outside):
     # writes do not go through the link either: they make a real folder, and the keys stay storable
     kc = _key_with_prefix("abcd", 3)
     assert s2.put([kc, ka], blocks_for([kc, ka])) == 2
-    assert sorted(p.name for p in (outside / "ab" / "cd").iterdir()) == sorted(
+    assert sorted(p.name for p in (outside / "ab").iterdir()) == sorted(
         [ka.hex() + ".kvb", kb.hex() + ".kvb"])
     assert (root / "ab").is_dir() and not (root / "ab").is_symlink() and _mode(root / "ab") == 0o700
     assert read_n(s2, [kc, ka]) == 2 and s2.nvme.stats["write_failed"] == 0
@@ -429,17 +475,18 @@ def test_fanout_folder_swapped_for_a_symlink_while_running(make_store, outside):
     ka, kb = _key_with_prefix("abcd", 1), _key_with_prefix("abce", 2)
     s.put([ka, kb], blocks_for([ka, kb]))
     root = Path(s.nvme.root)
-    leaf = root / "ab" / "cd"
-    shutil.move(leaf, outside / "cd")
-    leaf.symlink_to(outside / "cd")
+    leaf = root / "ab"
+    shutil.move(leaf, outside / "ab")
+    leaf.symlink_to(outside / "ab")
     assert read_n(s, [ka]) == 0  # not read through the link
-    assert (outside / "cd" / (ka.hex() + ".kvb")).exists()  # nor deleted through it
+    assert (outside / "ab" / (ka.hex() + ".kvb")).exists()  # nor deleted through it
     s.nvme.remove([kb])
     assert read_n(s, [kb]) == 0
     # the next write of a key there replaces the link (counted once) and writes in a real folder
     assert s.put([ka], blocks_for([ka])) == 1 and corrupt(s, "not_a_folder") == 1
     assert not leaf.is_symlink() and read_n(s, [ka]) == 1
-    assert sorted(p.name for p in (outside / "cd").iterdir()) == [ka.hex() + ".kvb"]  # untouched
+    assert sorted(p.name for p in (outside / "ab").iterdir()) == sorted(
+        [ka.hex() + ".kvb", kb.hex() + ".kvb"])  # untouched: nothing removed through the link
 
 
 def test_symlink_in_tmp_is_unlinked_not_followed(make_store, outside):

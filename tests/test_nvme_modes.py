@@ -126,14 +126,15 @@ def test_our_files_and_folders_with_loose_read_modes_are_fixed_at_the_scan(make_
     os.chmod(files[1], 0o604)
     os.chmod(files[2], 0o700)
     leaf = files[3].parent
+    other = next(f.parent for f in files if f.parent != leaf)  # (4 keys: two folders at least)
     os.chmod(leaf, 0o755)
-    os.chmod(leaf.parent, 0o777)
+    os.chmod(other, 0o777)
     os.chmod(root, 0o755)
     os.chmod(root / "tmp", 0o777)
     s2 = nvme_only(make_store)
     assert read_n(s2, keys) == 4  # kept and served: only this user could have written them
     assert [_mode(f) for f in files] == [0o600] * 4
-    assert [_mode(d) for d in (leaf, leaf.parent, root, root / "tmp")] == [0o700] * 4
+    assert [_mode(d) for d in (leaf, other, root, root / "tmp")] == [0o700] * 4
     assert s2.nvme.stats["modes_fixed"] == 6 and s2.nvme.stats["corrupt"] == 0
     check_store(s2)
 
@@ -274,13 +275,13 @@ def test_a_non_root_store_moves_aside_what_it_cannot_remove(clock):
     try:
         root = Path(_as_nobody(store)["root"])
         # root plants what nobody cannot remove: a full folder at kb's block path, a fan-out folder of its own
-        pb = root / "12" / "34" / (kb.hex() + ".kvb")
+        pb = root / "12" / (kb.hex() + ".kvb")
         pb.unlink()
         pb.mkdir(mode=0o700)
         (pb / "x").write_bytes(b"root's")
         shutil.rmtree(root / "ab")
-        (root / "ab" / "cd").mkdir(parents=True, mode=0o700)
-        (root / "ab" / "cd" / "y").write_bytes(b"root's")
+        (root / "ab").mkdir(mode=0o755)
+        (root / "ab" / "y").write_bytes(b"root's")
         first = _as_nobody(reopen)
         assert first["corrupt"] == {"not_a_file": 1, "foreign_owner": 1} and first["held"] == 0
         assert first["stored"] == 2 and first["served"] == 2 and first["right"]

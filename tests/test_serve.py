@@ -214,7 +214,7 @@ def block_path(store: Path, namespace: str, key: bytes) -> Path:
     folders = [p for p in store.iterdir() if p.name.startswith(f"kvstore-{namespace[:16]}")]
     assert len(folders) == 1, folders  # kvstore-<ns16> or kvstore-<ns16>-x (headers in xattrs)
     h = key.hex()
-    return folders[0] / h[:2] / h[2:4] / (h + ff.SUFFIX)
+    return folders[0] / h[:2] / (h + ff.SUFFIX)
 
 
 def temp_files(store: Path) -> list[Path]:

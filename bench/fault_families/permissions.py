@@ -41,7 +41,7 @@ def permissions(folders: list, *, advance: Callable[[], None] | None = None) -> 
     for i in range(10000):
         k = b"../../etc/passwd" if i == 0 else (b"/" * 16 if i == 1 else rng.randbytes(16))
         p = tier.path_of(k)
-        if p.parent.parent.parent != root or not re.fullmatch(r"[0-9a-f]{32}\.kvb", p.name) or ".." in p.parts:
+        if p.parent.parent != root or not re.fullmatch(r"[0-9a-f]{32}\.kvb", p.name) or ".." in p.parts:
             escapes += 1
     core = [p for p in Path(REPO, "kvstore").rglob("*.py")]
     pickles = [f"{p.name}:{i + 1}" for p in core for i, line in enumerate(p.read_text().splitlines())

@@ -7,9 +7,9 @@
 //          file's size: anything else is a failure, the wrapper removes it) -> the payload
 //          (inline layout: [4 KiB header][payload]) -> xxh3-64 of the payload into the header
 //          -> xattr layout: fsetxattr("user.kvstore.hdr", the header's 88 bytes) -> futimens(mtime)
-//          -> close -> renameat(tmp_dir, tmp, leaf, name) (the leaf folders opened one component at
-//          a time with O_NOFOLLOW, made 0700 when missing). Any failure unlinks the temp file.
-//   read:  the leaf folders (never created) -> openat(O_RDONLY|O_NONBLOCK|O_NOFOLLOW[|O_DIRECT])
+//          -> close -> renameat(tmp_dir, tmp, leaf, name) (the fan-out folder opened with
+//          O_NOFOLLOW, made 0700 when missing). Any failure unlinks the temp file.
+//   read:  the fan-out folder (never created) -> openat(O_RDONLY|O_NONBLOCK|O_NOFOLLOW[|O_DIRECT])
 //          -> fstat (a regular file no larger than the buffer) -> fgetxattr (xattr layout) -> the
 //          file -> xxh3-64 of the payload (its length from the header's raw field) -> futimens when
 //          the raw header's checksum matches. Python validates the header (fileformat.unpack_header,
@@ -57,7 +57,7 @@ struct Ctx {          // one batch
 };
 
 struct WriteJob {
-    const char* name = nullptr;      // "<key hex>.kvb": leaf folders name[0:2]/name[2:4]
+    const char* name = nullptr;      // "<key hex>.kvb": in the fan-out folder name[0:2]
     const char* tmp_name = nullptr;  // in tmp_fd
     uint8_t* hdr = nullptr;          // HEADER_BYTES (inline) or >= HEADER_CORE (xattr); checksums patched in
     const uint8_t* payload = nullptr;

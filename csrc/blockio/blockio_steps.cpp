@@ -73,14 +73,8 @@ int open_subdir(int parent, const char* two, bool create) {
     return fd;
 }
 
-// the leaf folder of a block name ("ab" "cd" of "abcd....kvb"): a descriptor or -errno
-int open_leaf(int root, const char* name, bool create) {
-    const int d1 = open_subdir(root, name, create);
-    if (d1 < 0) return d1;
-    const int leaf = open_subdir(d1, name + 2, create);
-    close(d1);
-    return leaf;
-}
+// the fan-out folder of a block name ("ab" of "abcd....kvb"): a descriptor or -errno
+int open_leaf(int root, const char* name, bool create) { return open_subdir(root, name, create); }
 
 bool plain_name(const char* s, size_t min_len) {  // one path component, no "." or ".."
     if (!s) return false;

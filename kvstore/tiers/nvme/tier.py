@@ -1,6 +1,6 @@
-"""NVMe tier: one file per block, in fan-out folders, under a per-namespace folder.
+"""NVMe tier: one file per block, in 256 fan-out folders, under a per-namespace folder.
 
-    <path>/kvstore-<namespace[:16]>/<k0k1>/<k2k3>/<key hex>.kvb     (0600 files, 0700 folders)
+    <path>/kvstore-<namespace[:16]>/<k0k1>/<key hex>.kvb            (0600 files, 0700 folders)
     <path>/kvstore-<namespace[:16]>/tmp/<key hex>.<pid>.<n>.tmp      (writes in flight)
 
 A write goes to a temporary name, then is renamed into place (atomic on POSIX), so a reader
@@ -20,6 +20,13 @@ removed; every file is checked (name, place, type, owner, mode, size, header, na
 codec) and a bad one is counted by reason and removed. Nothing is followed: a symlink is unlinked
 (the link, never its target); a non-file where a block file belongs (a folder, a FIFO) or a
 non-folder where a fan-out folder belongs is counted once and removed, so its keys stay storable.
+One level of 256 folders (4,000 files each at a million blocks): the two levels of 65,536 leaves
+before made a new folder for nearly every block written into a fresh cache and opened two folders
+per block (``python -m kvstore.bench.nvme_profile --block-mib 2``: folder work 420 us of thread
+time per 2 MiB put, 190-270 after, 19 in a full cache where the 256 exist; 120 per get, 56-59 after). A fresh put's
+wall time did not move (820-880 us a block before, 880-920 after, against an O_DIRECT limit of
+600-630): the write of a new file is what costs there. The scan moves the block files of the
+two-level layout up into their folder.
 Modes: this user's folders are set to 0700 and files readable by others to 0600 (counted in
 ``modes_fixed``); a file another user owns is never read (``foreign_owner``), nor is one that
 others could write (``loose_mode``: its bytes cannot be trusted), both dropped; another user's
@@ -139,7 +146,7 @@ class NvmeTier(LocalTier):
     # -- paths ---------------------------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
         h = key.hex()
-        return self.root / h[:2] / h[2:4] / (h + ff.SUFFIX)
+        return self.root / h[:2] / (h + ff.SUFFIX)
 
     @staticmethod
     def _name(key: bytes) -> str:
@@ -149,12 +156,7 @@ class NvmeTier(LocalTier):
         """Descriptor of the fan-out folder of ``key``; FileNotFoundError if missing and not create."""
         if self._root_fd < 0:
             raise OSError(errno.EBADF, "nvme tier is closed")
-        h = key.hex()
-        d1 = self._subdir(self._root_fd, h[:2], create)
-        try:
-            return self._subdir(d1, h[2:4], create)
-        finally:
-            os.close(d1)
+        return self._subdir(self._root_fd, key.hex()[:2], create)
 
     # -- per-thread aligned buffers --------------------------------------------------------------
     def _bufs(self):
@@ -466,6 +468,7 @@ class NvmeTier(LocalTier):
         """Rebuild the index from file headers (payloads are not read), oldest first."""
         self._scan_tmp()
         found: list[tuple[float, bytes, int]] = []
+        seen: set[bytes] = set()
         hbuf = bytearray(ff.HEADER_BYTES)
         fixed: list[str] = []
         for d1 in os.scandir(self._root_fd):
@@ -487,17 +490,14 @@ class NvmeTier(LocalTier):
             if fd1 < 0:
                 continue
             try:
-                for d2 in os.scandir(fd1):
-                    fd2 = self._scan_folder(fd1, d2, d1.name + "/", fixed)
-                    if fd2 < 0:
+                for f in os.scandir(fd1):
+                    if f.is_dir(follow_symlinks=False) and len(f.name) == 2 and set(f.name) <= _HEX:
+                        found.extend(self._scan_old_leaf(fd1, d1.name, f, hbuf, fixed, seen))
                         continue
-                    try:
-                        for f in os.scandir(fd2):
-                            item = self._scan_one(fd2, d1.name, d2.name, f, hbuf, fixed)
-                            if item is not None:
-                                found.append(item)
-                    finally:
-                        os.close(fd2)
+                    item = self._scan_one(fd1, d1.name, f, hbuf, fixed)
+                    if item is not None and item[1] not in seen:
+                        seen.add(item[1])
+                        found.append(item)
             finally:
                 os.close(fd1)
         found.sort()
@@ -552,15 +552,44 @@ class NvmeTier(LocalTier):
             pass
         return -1
 
-    def _scan_one(self, dir_fd: int, d1: str, d2: str, f: os.DirEntry, hbuf: bytearray,
+    def _scan_old_leaf(self, fd1: int, d1: str, d2: os.DirEntry, hbuf: bytearray, fixed: list[str],
+                       seen: set[bytes]) -> list[tuple[float, bytes, int]]:
+        """A leaf folder of the two-level layout (``<k0k1>/<k2k3>/``): its good block files are moved
+        up into ``d1`` (checked first, like any file), the rest dropped; the folder is removed."""
+        fd2 = self._scan_folder(fd1, d2, d1 + "/", fixed)
+        if fd2 < 0:
+            return []
+        out = []
+        try:
+            for f in os.scandir(fd2):
+                item = self._scan_one(fd2, d1 + "/" + d2.name, f, hbuf, fixed)
+                if item is None:
+                    continue
+                if item[1] in seen:  # already in its new place: the old copy goes
+                    discard(fd2, f.name, whole=False)
+                    continue
+                try:
+                    os.rename(f.name, f.name, src_dir_fd=fd2, dst_dir_fd=fd1)
+                except OSError as e:
+                    self._bad(fd2, f.name, "read_failed", f"not moved to the one-level layout: {e}")
+                    continue
+                seen.add(item[1])
+                out.append(item)
+        finally:
+            os.close(fd2)
+        discard(fd1, d2.name, whole=True)
+        return out
+
+    def _scan_one(self, dir_fd: int, where: str, f: os.DirEntry, hbuf: bytearray,
                   fixed: list[str]) -> tuple[float, bytes, int] | None:
+        """A block file found in the folder ``where`` (``k0k1``, or ``k0k1/k2k3`` in the old layout)."""
         if f.name.startswith(DISCARD_PREFIX):
             discard(dir_fd, f.name, whole=True)
             return None
         if f.is_symlink() or not f.is_file(follow_symlinks=False):
             # counted once, then removed (a link is unlinked, never followed): the key stays storable
             what = "symlink" if f.is_symlink() else "not_a_file"
-            self._bad_count(what, f"{d1}/{d2}/{f.name}: a {what.replace('_', ' ')} (removed, never followed)")
+            self._bad_count(what, f"{where}/{f.name}: a {what.replace('_', ' ')} (removed, never followed)")
             discard(dir_fd, f.name, whole=True)
             return None
         stem = f.name[: -len(ff.SUFFIX)] if f.name.endswith(ff.SUFFIX) else ""
@@ -571,8 +600,8 @@ class NvmeTier(LocalTier):
         except ValueError:
             self._bad(dir_fd, f.name, "bad_name", "not a block file name")
             return None
-        if stem[:2] != d1 or stem[2:4] != d2:
-            self._bad(dir_fd, f.name, "misplaced", f"in {d1}/{d2}")
+        if not stem.startswith(where.replace("/", "")):
+            self._bad(dir_fd, f.name, "misplaced", f"in {where}")
             return None
         try:
             fd = os.open(f.name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, dir_fd=dir_fd)
