@@ -22,7 +22,8 @@
 #
 # Knobs: PYTHON (default python3), KVCOPY_CUDA_ARCHS (default "90", H100/H200),
 # KVCOPY_BUILD_DIR (default: a fresh temp dir), BENCH_ARGS (extra flags for bench/gpu_bench.py,
-# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), SKIP_TESTS=1, SKIP_NATIVE=1, SKIP_BENCH=1, SKIP_SANITIZER=1,
+# e.g. "--per-call 16 --block-sizes 16 --modes kernel,dma"), NATIVE_ARGS (for bench/gpu_native.py), NATIVE_TIMEOUT (default 300 s),
+# SKIP_TESTS=1, SKIP_NATIVE=1, SKIP_BENCH=1, SKIP_SANITIZER=1,
 # SANITIZER_TOOLS (default "memcheck racecheck"), SANITIZER_TIMEOUT (default 240 s per tool).
 set -uo pipefail
 
@@ -121,7 +122,8 @@ tail -n 25 "$OUT/pytest.txt" | tee -a "$LOG"
 # ------------------------------------------------- 4. beside vLLM native's copies
 if [ "${SKIP_NATIVE:-0}" != "1" ]; then
   log "kvstore vs cudaMemcpyAsync vs vLLM native's cuMemcpyBatchAsync, and the forward-pass clock (bench/gpu_native.py)"
-  timeout "${NATIVE_TIMEOUT:-200}" "$PY" -m kvstore.bench.gpu_native --out "$OUT" >>"$LOG" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${NATIVE_TIMEOUT:-300}" "$PY" -m kvstore.bench.gpu_native --out "$OUT" ${NATIVE_ARGS:-} >>"$LOG" 2>&1
   rc=$?
   [ $rc -eq 0 ] || { log "gpu_native failed (rc=$rc)"; status=1; }
 fi

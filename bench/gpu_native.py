@@ -174,6 +174,7 @@ def bench_layout(name, geo, a, gen, rows, batch_fn, load) -> None:
     dev_all.random_(0, 256, generator=gen)
     host_all.copy_(dev_all)
     vb = VllmBatch(_parts(name, caches), nmax, side, batch_fn)
+    stage_all = torch.empty(nmax, layout.block_bytes, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()  # the random fills ran on the default stream; the copies run on the side one
     for n in per_call:
         t_cell = time.perf_counter()
@@ -214,6 +215,29 @@ def bench_layout(name, geo, a, gen, rows, batch_fn, load) -> None:
         for m in ("kernel", "dma"):
             fns[f"gather_{m}"] = lambda m=m: cp.gather(ids, slab, mode=m, stream=side)
             fns[f"scatter_{m}"] = lambda m=m: cp.scatter(slab, ids, mode=m, stream=side)
+        stage = stage_all[:n]
+
+        def staged(per_block: bool):
+            """A gather into device memory (the kernel, on the GPU's own memory), then the copy
+            engines to the host: one copy (contiguous slots) or one a block (slots anywhere)."""
+            def f():
+                with torch.cuda.stream(side):
+                    ev = cp.gather(ids, stage, mode="kernel", stream=side)
+                    if per_block:
+                        for i in range(n):
+                            slab[i].copy_(stage[i], non_blocking=True)
+                    else:
+                        slab.copy_(stage, non_blocking=True)
+                return ev
+            return f
+
+        fns["gather_staged"], fns["gather_staged_blocks"] = staged(False), staged(True)
+        for f in (fns["gather_staged"], fns["gather_staged_blocks"]):
+            slab.fill_(0)
+            f()
+            side.synchronize()
+            cp.gather(ids, back, mode="kernel", stream=side).synchronize()
+            assert torch.equal(slab, back), f"staged gather differs ({name})"
         timer = Timer(side, a.min_ms)
         reps = min(timer.reps_for(f) for f in fns.values())
         dev_t = timer.interleaved(fns, reps)
@@ -227,7 +251,9 @@ def bench_layout(name, geo, a, gen, rows, batch_fn, load) -> None:
         for op in ("gather", "scatter"):
             row = dict(section="copy", geometry=geo, layout=name, blocks_per_call=n, mib=nbytes / 2**20, op=op,
                        shipped=shipped, descriptors=len(vb.gpu) * n, reps=reps, matmul_overlapped=overlapped)
-            for w in ("limit", "kernel", "dma", "vllm"):
+            for w in ("limit", "kernel", "dma", "vllm", "staged", "staged_blocks"):
+                if f"{op}_{w}" not in dev_t:
+                    continue
                 row[f"{w}_gbps"] = round(nbytes / dev_t[f"{op}_{w}"] / 1e9, 2)
                 row[f"{w}_wall_gbps"] = round(nbytes / wall_t[f"{op}_{w}"] / 1e9, 2)
                 if mm_t:
@@ -301,6 +327,21 @@ def markdown(rows: list, header: str) -> str:
                     f"{r['limit_matmul_gbps']} | {r['kernel_matmul_gbps']} | {r['dma_matmul_gbps']} | "
                     f"{r['vllm_matmul_gbps']} | {_r(r['kernel_matmul_gbps'], r['limit_matmul_gbps'])} | "
                     f"{_r(r['dma_matmul_gbps'], r['limit_matmul_gbps'])} |" for r in mm]
+    st = [r for r in cp if "staged_gbps" in r]
+    if st:
+        out += ["", "## Gather staged through device memory, then the copy engines (GB/s; ratio to memcpy)", "",
+                "| block | layout | blocks/call | kernel | staged, one copy | staged, a copy a block | "
+                "matmul: memcpy | matmul: kernel | matmul: staged | matmul: staged a block | "
+                "sustained: kernel | sustained: staged a block |", "|" + "---|" * 12]
+        for r in st:
+            mm = lambda w: f"{r[w + '_matmul_gbps']} ({_r(r[w + '_matmul_gbps'], r['limit_matmul_gbps'])})" \
+                if w + "_matmul_gbps" in r else "-"
+            out.append(f"| {r['geometry']} | {r['layout']} | {r['blocks_per_call']} | {r['kernel_gbps']} "
+                       f"({_r(r['kernel_gbps'], r['limit_gbps'])}) | {r['staged_gbps']} "
+                       f"({_r(r['staged_gbps'], r['limit_gbps'])}) | {r['staged_blocks_gbps']} "
+                       f"({_r(r['staged_blocks_gbps'], r['limit_gbps'])}) | "
+                       f"{r.get('limit_matmul_gbps', '-')} | {mm('kernel')} | {mm('staged')} | {mm('staged_blocks')} | "
+                       f"{r['kernel_wall_gbps']} | {r['staged_blocks_wall_gbps']} |")
     ck = [r for r in rows if r["section"] == "clock"]
     if ck:
         rs = [r["ratio"] for r in ck]
