@@ -253,3 +253,23 @@ def test_cuda_block_counts_and_streams(name, on, n, gen):
         assert torch.equal(storage(kv), storage(cpu_kv)), f"{name}/{n}/{on}/{mode}: scatter differs"
         expect = torch.empty(n, lay.block_bytes, dtype=torch.uint8)
         reference.gather(cpu_kv, lay, ids, expect)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize("name", ["flash_attn", "cross_layer", "mla"])
+def test_gather_with_repeated_and_unordered_ids(name, device, gen):
+    """A gather may name a block twice (two store slots of one cache block) and in any order; each
+    slot gets the block's bytes, as the CPU oracle gives them (a scatter refuses duplicates)."""
+    lay = LAYOUTS[name](12, 3, 16, 4, 64, torch.bfloat16)
+    kv = make_cache(lay, torch.bfloat16, gen, device=device)
+    ids = np.array([7, 3, 7, 0, 11, 3, 3], dtype=np.int64)
+    expect = torch.empty(len(ids), lay.block_bytes, dtype=torch.uint8)
+    reference.gather(to_cpu(kv), lay, ids, expect)
+    for mode in (("kernel", "dma") if device == "cuda" else ("auto",)):
+        dst = torch.full((len(ids), lay.block_bytes), 0x5A, dtype=torch.uint8)
+        dst = dst.pin_memory() if device == "cuda" else dst
+        ev = kvcopy.gather(kv, lay, ids, dst, mode=mode)
+        if ev is not None:
+            ev.synchronize()
+        assert torch.equal(dst, expect), f"{name}/{device}/{mode}: a repeated id gathered wrong bytes"
+    assert torch.equal(expect[0], expect[2]) and torch.equal(expect[1], expect[5])
