@@ -66,7 +66,7 @@ def payloads(store: str) -> dict[bytes, np.ndarray]:
     from kvstore.tiers.nvme.folder import read_header
 
     out = {}
-    for f in Path(store).glob("kvstore-*/??/??/*.kvb"):
+    for f in Path(store).glob("kvstore-*/??/*.kvb"):
         try:
             h = read_header(f)
             data = f.read_bytes()

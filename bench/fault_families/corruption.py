@@ -232,10 +232,10 @@ def _case(res: dict, s, name: str, k: bytes, damage, *, phase: str, scan_counted
 def _plant_junk(root: Path, rng: random.Random) -> int:
     """Files that are not ours, where the scan looks: top level, fan-out folders, bad names, a FIFO."""
     n = 0
-    leafs = [d for d in root.glob("??/??") if d.is_dir() and not d.is_symlink()]
+    leafs = [d for d in root.glob("??") if d.is_dir() and not d.is_symlink()]
     spots = [root / "notes.txt", root / "zz", root / "ab" / "zz.kvb"]
     for d in leafs[:4]:
-        spots += [d / "README", d / ("0" * 32 + ".kvb"), d / (d.parent.name + d.name + "x" * 28 + ".kvb"),
+        spots += [d / "README", d / ("0" * 32 + ".kvb"), d / (d.name + "x" * 30 + ".kvb"),
                   d / ("f" * 32 + ".kvb.tmp")]
     for p in spots:
         try:
