@@ -86,7 +86,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="replay this recorded JSONL trace instead of generating")
     p.add_argument("--trace-out", default=None, help="write each generated variant's trace (JSONL) here "
                    "(variants after the first get .<variant> before the extension)")
-    p.add_argument("--dir", default=None, help="parent folder for the NVMe tier's files (default: /dev/shm when "
+    p.add_argument("--dir", default=None, type=harness.folder, help="parent folder for the NVMe tier's files (default: /dev/shm when "
                    "there is one: this bench measures policy, not disk speed; give a disk folder to include it)")
     harness.output_args(p)
 

@@ -118,7 +118,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "qwen3_next (Gated DeltaNet + full attention; blocks of 288 tokens); a hybrid one adds the "
                         "stored-bytes table against its single-group twin")
     p.add_argument("--window", type=int, default=512, help="--arch gemma3: the sliding window in tokens")
-    p.add_argument("--dir", default=None, help="folder for the NVMe tier and the tiny model")
+    p.add_argument("--dir", default=None, type=harness.folder, help="folder for the NVMe tier and the tiny model")
     p.add_argument("--designs", default="sync,async",
                    help="kvstore designs to run, each kvstore case once per design: sync (io.async_saves and "
                         "io.async_loads false: the first design), async (both true)")

@@ -95,7 +95,7 @@ HEADLINE = ("crash_cycles", "corrupt_reads_served", "fuzz_inputs", "fuzz_crashes
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the CI-sized run (seconds, not minutes)")
     harness.output_args(p, plots=False, json_help="write every figure as JSON")
-    p.add_argument("--dir", default=None, help="parent folder for the scratch folders (default: a temp folder)")
+    p.add_argument("--dir", default=None, type=harness.folder, help="parent folder for the scratch folders (default: a temp folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default=None, help="comma-separated families (crash,corruption,fuzz,disk_full,"
                    "sharing,churn,bad_input,permissions,engine,trust)")

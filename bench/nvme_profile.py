@@ -156,7 +156,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--io-threads", type=int, default=4)
     p.add_argument("--dir", default=None)
-    p.add_argument("--layouts", action="store_true", help="steady-state file layouts instead of the tier profile")
+    p.add_argument("--layouts", action="store_true", help="file layouts instead of the tier profile (with --full: "
+                   "a full cache, every block evicting one; without: a cache still filling)")
     p.add_argument("--full", action="store_true", help="a full cache: every block written evicts one")
     p.add_argument("--scan", type=int, default=0, metavar="N", help="the restart scan's time for N block files "
                    "(--scan-kib each; both header layouts) instead of the profile")
@@ -172,7 +173,8 @@ def main(argv=None) -> None:
             return
         if a.layouts:
             for mib in [float(x) for x in a.block_mib.split(",")]:
-                for name, runs in layouts(int(mib * 2**20), a.total_mb << 20, d, a.io_threads, a.repeats).items():
+                for name, runs in layouts(int(mib * 2**20), a.total_mb << 20, d, a.io_threads, a.repeats,
+                                          a.full).items():
                     print(f"{mib:g} MiB x{a.io_threads} threads, {name:20s}: GB/s "
                           + " ".join(f"{g:.2f}" for g, _ in runs) + "; CPU us/blk " + " ".join(f"{c:.0f}" for _, c in runs))
             return
@@ -220,7 +222,12 @@ def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repe
 # -- layouts: what one block file per block costs in steady state (a full cache: every new block
 # evicts one), beside a recycled file and a slot in a shared file. Not the tier: plain syscalls
 # from ``threads`` threads, O_DIRECT, the same rows; wall GB/s and this process's CPU per block.
-def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats: int = 3) -> dict:
+# ``full=False``: a cache still filling (nothing evicted, nothing to recycle), where every put
+# allocates: a new file per block (temp name, header xattr, rename: the tier's syscalls) beside
+# the same blocks at their offsets in one new file (the bench's O_DIRECT rows limit: what several
+# blocks per file would get). The variants take turns within each repeat.
+def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats: int = 3,
+            full: bool = True) -> dict:
     import resource
 
     n = max(8, total // block_bytes)
@@ -266,9 +273,25 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
     def slot(i):  # several blocks per file: a slot of one preallocated file, overwritten
         os.pwrite(sfd[0], src[i], i * block_bytes)
 
+    def new_file(i):  # a cache still filling: a new file, nothing evicted
+        tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
+        os.pwrite(fd, src[i], 0)
+        os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
+        os.close(fd)
+        os.rename(tmp, dst)
+
+    def new_slot(i):  # a slot of one new file (allocated as it is written)
+        os.pwrite(sfd[0], src[i], i * block_bytes)
+
+    if full:
+        variants = (("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot))
+    else:
+        variants = (("new file per block", new_file), ("slot in one new file", new_slot))
+        setup = lambda: os.close(os.open(slab, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600))  # noqa: E731
     out: dict = defaultdict(list)
     for _ in range(repeats):
-        for name, fn in (("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot)):
+        for name, fn in variants:
             setup()
             sfd[0] = os.open(slab, os.O_WRONLY | direct)
             r0 = resource.getrusage(resource.RUSAGE_SELF)

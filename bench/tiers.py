@@ -95,7 +95,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-data", default=None, choices=["auto", *KINDS],
                    help="block contents: KV captured from the tiny random-weight Llama, or synthetic normal KV with "
                    "per-head scales (auto: tiny-llama when a codec other than none is measured)")
-    p.add_argument("--dir", default=None, help="folder for the NVMe tier (default: a temp folder)")
+    p.add_argument("--dir", default=None, type=harness.folder, help="folder for the NVMe tier (default: a temp folder)")
     p.add_argument("--nvme-paths", default=None, help="comma list of NVMe paths, each a store on its own: store "
                    "(tiers.nvme.engine as configured by default), blockio (the batched native engine on: "
                    "--engine-backend), noengine (engine off: the tier's own write/read per block) (store)")

@@ -512,3 +512,19 @@ def test_copy_mode_through_the_cli(tmp_path, capsys):
     assert "gather" in text and "scatter" in text and "|" in text
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["gbps"] > 0 for r in rows if "gbps" in r)
+
+
+def test_a_missing_dir_is_made_and_a_file_is_a_clear_error(tmp_path, capsys):
+    """``--dir`` of a folder not there yet: made, private (a bench once stopped at its first
+    temp folder with "No such file or directory"); a file there: an argparse error naming it."""
+    from kvstore.bench import e2e, harness
+
+    new = tmp_path / "a" / "b"
+    assert harness.parser(e2e.__name__).parse_args(["--dir", str(new)]).dir == str(new)
+    assert new.is_dir() and (new.stat().st_mode & 0o777) == 0o700
+    f = tmp_path / "file"
+    f.write_text("x")
+    for mod in (e2e, tiers, agent):
+        with pytest.raises(SystemExit):
+            harness.parser(mod.__name__).parse_args(["--dir", str(f)])
+        assert f"argument --dir: {f}: not a folder" in capsys.readouterr().err
