@@ -26,6 +26,7 @@ from kvstore import failpoints
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
+_LOW_BIT = bytes(i & 1 for i in range(256))  # a byte -> its bit 0 (bytes.translate)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 CHUNK_BYTES = 256 << 20
 GiB = 1 << 30
@@ -348,7 +349,11 @@ class SlabPool:
             vec = (ctypes.c_ubyte * pages)()
             if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) != 0:
                 return -1
-            total += sum(1 for v in bytes(vec) if v & 1) * PAGE
+            # bit 0 of each byte: the page is resident (the others are reserved). Counted in C: a
+            # Python loop over the bytes took 10-38 ms for a 2 GiB pool, on the engine's thread
+            # once a second (the gauge is read when vLLM's stats are taken): 1.2-3.7 % of a
+            # no-reuse batch (prefill-heavy, 2-core VM, 2026-11-25); now 0.3 ms
+            total += bytes(vec).translate(_LOW_BIT).count(1) * PAGE
         return total
 
     def close(self) -> None:
