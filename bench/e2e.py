@@ -43,8 +43,12 @@ with kvstore (each design; DRAM + NVMe tiers) against vLLM without any connector
 measured run waits for the DRAM pool's background pre-fault (a one-time start-up cost) to end.
 Each of
 ``--nr-repeats`` rounds builds a fresh engine per configuration, in an order rotated every round
-(interleaved, so a slow spell of a shared machine falls on all of them); reported are the median
-throughput ((prompt + output tokens) / wall time) and the median of the rounds' paired ratios.
+(interleaved, so a slow spell of a shared machine falls on all of them), warmed on batches of the
+workloads' own shapes (other prompts) before the measured ones: an engine's first batch of a shape
+is slower by a varying amount, which made single rounds swing 0.6-1.5, vLLM against itself too.
+A batch is timed until kvstore's saves of it have ended (steady traffic pays for every save);
+reported are the median throughput ((prompt + output tokens) / wall time) and the median of the
+rounds' paired ratios.
 
 **Goals.** Each figure with a goal is printed next to its limit, with PASS/FAIL, and the goals
 are summed up per design at the end: DRAM-hit TTFT / vLLM prefix-hit TTFT <= 1.3; NVMe-hit TTFT /
@@ -160,11 +164,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _rounds(repeats: int, configs: list, what: str, open_engine, work: str, bar, *, warm_seed: int,
-            warm_batch: tuple[int, int], run) -> None:
+            warm_batch: tuple[int, int], run, warm=None) -> None:
     """``repeats`` rounds of a fresh engine (and store) per configuration, their order rotated
     every round (a slow spell of a shared machine falls on all of them). Each engine is warmed
-    (one prompt, then ``warm_batch`` = (prompts, output tokens): the batched decode), vLLM's
-    cache reset, the DRAM pool settled, then ``run(engine, round, case, design)``."""
+    (one prompt, then ``warm_batch`` = (prompts, output tokens): the batched decode, then
+    ``warm(engine, round)`` if given), vLLM's cache reset, the DRAM pool settled, then
+    ``run(engine, round, case, design)``."""
     for rnd in range(repeats):
         k = rnd % len(configs)
         for case, design in configs[k:] + configs[:k]:
@@ -176,6 +181,8 @@ def _rounds(repeats: int, configs: list, what: str, open_engine, work: str, bar,
                 eng.ttft([int(x) for x in wrng.integers(4, 500, size=64)])  # warm-up
                 eng.batch([[int(x) for x in wrng.integers(4, 500, size=64)] for _ in range(warm_batch[0])],
                           warm_batch[1])
+                if warm is not None:
+                    warm(eng, rnd)
                 eng.reset()
                 settle()
                 run(eng, rnd, case, design)
@@ -303,8 +310,19 @@ def run(a: argparse.Namespace) -> dict:
                 nr.setdefault((wl, case, design), []).append(no_reuse_once(eng, ps, max_tokens))
                 bar.advance()
 
+        def nr_warm(eng: Engine, rnd: int) -> None:
+            # a fresh engine's first batch of a shape is slow, by a varying amount: 16 x 2,048-token
+            # prefills took 2.5-3.8 s first, then 2.0-2.5 s (8 engines, vLLM alone); measured
+            # first, it made single rounds' ratios swing 0.6-1.5 (the control's too). Each engine
+            # is warmed on batches of the workloads' own shapes, other prompts (no reuse), the
+            # decode-heavy one cut to 16 output tokens (the decode steps' shape is reached at once)
+            # (kvstore's saves of them are waited for: the measured batch carries its own only)
+            for ps, max_tokens in no_reuse_prompts(a, seed=7000 + rnd).values():
+                eng.batch(ps, min(max_tokens, 16))
+            quiesce()
+
         _rounds(len(nr_prompts), nr_configs, "no reuse", open_engine, work.name, bar, warm_seed=2000,
-                warm_batch=(a.nr_prompts, 8), run=nr_round)
+                warm_batch=(a.nr_prompts, 8), run=nr_round, warm=nr_warm)
         te = None
         if te_lengths:
             bar.label("two engines")

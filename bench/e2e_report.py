@@ -92,6 +92,9 @@ def tables(a, lengths: list[int], ttft_runs: list, mt_runs: list, nr_configs: li
             bg = statistics.median(r.get("bg_cpu_s", 0.0) / r["wall_s"] for r in runs_)
             nr_rows.append({"workload": wl, "case": case, "design": design or "", "prompts": a.nr_prompts,
                             "hook_share": hook, "bg_cpu_share": bg,
+                            # the saves' tail after the last output, in the wall time (e2e_cases.no_reuse_once)
+                            "save_tail_share": statistics.median(r["save_tail_s"] / r["wall_s"]
+                                                                 for r in runs_),
                             # kvstore's own cost alone, each second of its threads' CPU charged to the engine
                             "own_x_vllm": 1.0 - hook - bg,
                             "prompt_tokens": first["prompt_tokens"], "output_tokens": first["output_tokens"],
