@@ -240,7 +240,10 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
     old = [os.path.join(d, f"old{i}") for i in range(n)]
     slab = os.path.join(d, "slab")
 
-    def setup():
+    def setup():  # full: the victims' files and a written slab; filling: an empty slab
+        if not full:
+            os.close(os.open(slab, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600))
+            return
         for p in old:
             fd = os.open(p, os.O_CREAT | os.O_WRONLY | direct, 0o600)
             os.pwrite(fd, src[0], 0)
@@ -250,13 +253,16 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
             os.pwrite(fd, src[0], i * block_bytes)
         os.close(fd)
 
-    def fresh(i):  # today: a new file (temp name, rename), the victim's file unlinked
+    def new_file(i):  # a new file (temp name, header xattr, rename: the tier's syscalls)
         tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
         os.pwrite(fd, src[i], 0)
         os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
         os.close(fd)
         os.rename(tmp, dst)
+
+    def fresh(i):  # today, in a full cache: a new file, the victim's file unlinked
+        new_file(i)
         os.unlink(old[i])
 
     def recycled(i):  # the victim's file renamed to a temp name, overwritten in place, renamed
@@ -270,25 +276,11 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
 
     sfd = [-1]
 
-    def slot(i):  # several blocks per file: a slot of one preallocated file, overwritten
+    def slot(i):  # several blocks per file: a slot of the slab (written already when full)
         os.pwrite(sfd[0], src[i], i * block_bytes)
 
-    def new_file(i):  # a cache still filling: a new file, nothing evicted
-        tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
-        os.pwrite(fd, src[i], 0)
-        os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
-        os.close(fd)
-        os.rename(tmp, dst)
-
-    def new_slot(i):  # a slot of one new file (allocated as it is written)
-        os.pwrite(sfd[0], src[i], i * block_bytes)
-
-    if full:
-        variants = (("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot))
-    else:
-        variants = (("new file per block", new_file), ("slot in one new file", new_slot))
-        setup = lambda: os.close(os.open(slab, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600))  # noqa: E731
+    variants = ((("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot)) if full
+                else (("new file per block", new_file), ("slot in one new file", slot)))
     out: dict = defaultdict(list)
     for _ in range(repeats):
         for name, fn in variants:
