@@ -77,9 +77,11 @@ def tiny_config(path: str | os.PathLike | None, *, dram_blocks: int = 4, nvme_bl
                 block_bytes: int = BLOCK, dram_ttl: float | None = None, nvme_ttl: float | None = None,
                 policy: str = "lru", nvme_policy: str | None = None, write_mode: str = "write_back",
                 o_direct="auto", io_threads: int = 2, pin_memory=False, header: str = "inline",
-                headroom=0) -> StoreConfig:
+                headroom=0, engine: str | None = None) -> StoreConfig:
     """``dram_blocks`` is what the DRAM index holds; ``headroom`` more slots (none by default, so
-    a test's evictions are exact) are kept for victims still being written down."""
+    a test's evictions are exact) are kept for victims still being written down. ``engine``:
+    ``tiers.nvme.engine`` (None: the default, auto, which takes a batch's page-aligned buffers;
+    "off" for a test that drives the tier's own per-block path)."""
     if headroom != "auto":
         dram_blocks += headroom
     return from_dict({
@@ -88,7 +90,8 @@ def tiny_config(path: str | os.PathLike | None, *, dram_blocks: int = 4, nvme_bl
                      "pin_memory": pin_memory, "headroom_blocks": headroom},
             "nvme": {"path": None if path is None else str(path), "capacity_gb": nvme_gb(nvme_blocks, block_bytes),
                      "ttl_s": nvme_ttl, "policy": nvme_policy or policy, "write_mode": write_mode,
-                     "o_direct": o_direct, "io_threads": io_threads, "header": header},
+                     "o_direct": o_direct, "io_threads": io_threads, "header": header,
+                     **({} if engine is None else {"engine": engine})},
         }
     })
 

@@ -354,7 +354,9 @@ def test_prefetch_promotes(make_store, store_dir, clock):
 
 def test_prefetch_without_a_dram_tier_reads_nothing(make_store):
     """No DRAM tier: nothing to promote into, so a prefetch must not read (and discard) every block."""
-    s = make_store(dram_blocks=0, nvme_blocks=8)
+    # engine off: its reads are counted on the per-block path (the native engine takes a batch's
+    # page-aligned buffers: an output array that happened to be aligned read 2 of 3 there, once on CI)
+    s = make_store(dram_blocks=0, nvme_blocks=8, engine="off")
     keys = make_keys(3)
     s.put(keys, blocks_for(keys))
     reads = s.nvme.read
