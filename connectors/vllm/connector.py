@@ -391,10 +391,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         new = [(r.req_id, ids(r.block_ids), r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         c = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(c, "resumed_req_ids", ()) or ())
-        cached = []
-        for i, rid in enumerate(c.req_ids):
-            nb = c.new_block_ids[i]
-            cached.append((rid, ids(nb) if nb else None, c.num_computed_tokens[i], rid in resumed))
+        cached = [(rid, ids(nb) if nb else None, n, rid in resumed)
+                  for rid, nb, n in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens)]
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         handed = getattr(state, "boundary_state_offloads", None) if self.groups.state else None
         plan = self.planner.build_step(new, cached, dict(scheduler_output.num_scheduled_tokens), handed)

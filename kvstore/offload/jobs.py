@@ -161,6 +161,8 @@ class CopyJobs:
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Of the requests vLLM said finished (in this call or an earlier one), those that had
         stores, were not released by ``saves_done``, and whose stores completed; each once."""
+        if not finished_req_ids and not self._finished:  # most steps: nothing to report, no lock
+            return set()  # (only this method adds to _finished; saves_done only removes)
         with self._cond:
             self._finished |= self._stored.intersection(finished_req_ids)
             out = {r for r in self._finished if not self._saving.get(r)}
@@ -176,6 +178,8 @@ class CopyJobs:
     def take_loads(self) -> tuple[set[str], set[int], set[str]]:
         """Requests whose async loads completed, the engine blocks among them that failed, and
         the requests among them whose all-or-nothing load failed."""
+        if not (self._loaded or self._load_errors or self._failed):  # most steps, read without the lock:
+            return set(), set(), set()  # a load completing meanwhile is taken at the next step
         with self._cond:
             done, bad, failed = self._loaded, self._load_errors, self._failed
             self._loaded, self._load_errors, self._failed = set(), set(), set()

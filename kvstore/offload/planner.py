@@ -477,14 +477,15 @@ class Planner:
             st = self.reqs.get(rid)
             if st is None:
                 continue
-            per = list(new_ids) if isinstance(new_ids, tuple) else [new_ids]
-            if resumed:
-                st.tables = [list(t or []) for t in per]
-            elif new_ids:
-                for t, more in zip(st.tables, per):
-                    t.extend(more or ())
-            if multi and new_ids:
-                plan.fresh.extend(b for t in per for b in (t or ()) if b)
+            if new_ids or resumed:  # else a decode step in its last block: its table is unchanged
+                per = list(new_ids) if isinstance(new_ids, tuple) else [new_ids]
+                if resumed:
+                    st.tables = [list(t or []) for t in per]
+                else:
+                    for t, more in zip(st.tables, per):
+                        t.extend(more or ())
+                if multi and new_ids:
+                    plan.fresh.extend(b for t in per for b in (t or ()) if b)
             self._plan_req(plan, st, computed, num_scheduled.get(rid, 0))
         if states:
             plan.stores.extend(self.boundary_states(states))
@@ -497,7 +498,14 @@ class Planner:
     def _plan_req(self, plan: StepPlan, st: RequestState, computed: int, scheduled: int) -> None:
         plan.tokens += scheduled
         plan.pairs += pairs(computed, scheduled)
-        plan.prefill_tokens += max(0, min(scheduled, st.num_prompt_tokens - computed))
+        if computed < st.num_prompt_tokens:
+            plan.prefill_tokens += min(scheduled, st.num_prompt_tokens - computed)
+        # The usual decode step: no load and no block filled or rewound, so nothing to plan. It
+        # skips the live token list's length and the block table (a property): build_connector_meta
+        # took 50 us a step for 16 decoding requests before, on the 2-core VM.
+        saved = st.saved_blocks
+        if st.load is None and saved * self.bs <= computed and (computed + scheduled) // self.bs <= saved:
+            return
         if st.load is not None:
             hid, first, n, tiers = st.load
             st.load = None
