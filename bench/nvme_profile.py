@@ -225,7 +225,15 @@ def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repe
 # ``full=False``: a cache still filling (nothing evicted, nothing to recycle), where every put
 # allocates: a new file per block (temp name, header xattr, rename: the tier's syscalls) beside
 # the same blocks at their offsets in one new file (the bench's O_DIRECT rows limit: what several
-# blocks per file would get). The variants take turns within each repeat.
+# blocks per file would get), and the new file less one of its steps, or plus a fallocate. The
+# variants take turns within each repeat. On the 2-core VM (2 MiB, 4 threads, 2026-11-25) no step
+# stood out and the order of the rows changed from run to run: one run had the slot 3.2-3.7 GB/s
+# against 2.1-2.8 for a file per block, a 5-repeat run 1.8-2.7 against 2.0-2.8 (4 threads
+# extending one file serialize on its inode); less the xattr 2.5-3.2, less the rename 2.5-3.3,
+# plus fallocate 2.5-3.1. A third run: file per block 2.1-2.8, less the xattr 2.8-3.5, less the
+# rename 3.0-3.7, plus fallocate 2.8-3.4, the slot 2.1-3.0. The rename keeps a half-written file
+# from ever having a block's name (a reader in a shared folder would count it damaged and remove
+# it); the xattr is the header's place on file systems that have them.
 def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats: int = 3,
             full: bool = True) -> dict:
     import resource
@@ -261,6 +269,18 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
         os.close(fd)
         os.rename(tmp, dst)
 
+    def new_file_less(i, xattr=True, rename=True, falloc=False):  # new_file less one step (where its time goes)
+        tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
+        fd = os.open(tmp if rename else dst, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
+        if falloc:
+            os.posix_fallocate(fd, 0, block_bytes)
+        os.pwrite(fd, src[i], 0)
+        if xattr:
+            os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
+        os.close(fd)
+        if rename:
+            os.rename(tmp, dst)
+
     def fresh(i):  # today, in a full cache: a new file, the victim's file unlinked
         new_file(i)
         os.unlink(old[i])
@@ -280,7 +300,10 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
         os.pwrite(sfd[0], src[i], i * block_bytes)
 
     variants = ((("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot)) if full
-                else (("new file per block", new_file), ("slot in one new file", slot)))
+                else (("new file per block", new_file), ("  less the xattr", lambda i: new_file_less(i, xattr=False)),
+                      ("  less the rename", lambda i: new_file_less(i, rename=False)),
+                      ("  plus fallocate", lambda i: new_file_less(i, falloc=True)),
+                      ("slot in one new file", slot)))
     out: dict = defaultdict(list)
     for _ in range(repeats):
         for name, fn in variants:
