@@ -317,11 +317,14 @@ def test_agent_ttl_and_capacity_misses_have_their_reason():
     assert res["capacity_blocks"]["dram"] == 8
     assert res["miss_tokens"]["evicted"] == 8 * BT
     assert res["peak_gib"]["dram"] == pytest.approx(8 * kvb / 2**30)
-    # with an NVMe tier the evicted blocks are demoted and come back from there
+    # with an NVMe tier the evicted blocks are demoted and come back: all 8 hit, none missed as
+    # evicted. Which tier serves each depends on timing: a block whose demotion is still in flight
+    # is served from DRAM (1-5 of the 8 in 36 of 200 replays on a loaded 2-core VM; once on CI)
     cap["tiers"]["nvme"] = {"capacity_gb": 64 * kvb / 2**30, "ttl_s": None}
     res = agent.replay(reqs, cap, block_tokens=BT, payload_bytes=1024, kv_block_bytes=kvb, windows=1)
     _checks_hold(res)
-    assert res["hit_tokens_nvme"] == 8 * BT and res["miss_tokens"]["evicted"] == 0
+    assert res["hit_tokens"] == 8 * BT and res["miss_tokens"]["evicted"] == 0
+    assert res["hit_tokens_dram"] + res["hit_tokens_nvme"] == 8 * BT and res["store_metrics"]["demotions"] >= 8
 
 
 def test_agent_command_small(tmp_path, capsys):
