@@ -261,15 +261,8 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
             os.pwrite(fd, src[0], i * block_bytes)
         os.close(fd)
 
-    def new_file(i):  # a new file (temp name, header xattr, rename: the tier's syscalls)
-        tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
-        os.pwrite(fd, src[i], 0)
-        os.setxattr(fd, "user.kvstore.hdr", b"h" * 88)
-        os.close(fd)
-        os.rename(tmp, dst)
-
-    def new_file_less(i, xattr=True, rename=True, falloc=False):  # new_file less one step (where its time goes)
+    def new_file(i, xattr=True, rename=True, falloc=False):  # a new file (temp name, header xattr,
+        # rename: the tier's syscalls); less one of its steps, or plus a fallocate: where its time goes
         tmp, dst = os.path.join(d, f"t{i}"), os.path.join(d, f"new{i}")
         fd = os.open(tmp if rename else dst, os.O_CREAT | os.O_EXCL | os.O_WRONLY | direct, 0o600)
         if falloc:
@@ -300,9 +293,9 @@ def layouts(block_bytes: int, total: int, folder: str, threads: int = 4, repeats
         os.pwrite(sfd[0], src[i], i * block_bytes)
 
     variants = ((("fresh file + unlink", fresh), ("recycled file", recycled), ("slot in one file", slot)) if full
-                else (("new file per block", new_file), ("  less the xattr", lambda i: new_file_less(i, xattr=False)),
-                      ("  less the rename", lambda i: new_file_less(i, rename=False)),
-                      ("  plus fallocate", lambda i: new_file_less(i, falloc=True)),
+                else (("new file per block", new_file), ("  less the xattr", lambda i: new_file(i, xattr=False)),
+                      ("  less the rename", lambda i: new_file(i, rename=False)),
+                      ("  plus fallocate", lambda i: new_file(i, falloc=True)),
                       ("slot in one new file", slot)))
     out: dict = defaultdict(list)
     for _ in range(repeats):
