@@ -7,6 +7,7 @@ I/O, at the store's I/O parallelism). ``--full``: a full cache (every block writ
 file recycled, kvstore/tiers/nvme/pool.py).
 
     python -m kvstore.bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3 [--full]
+    python -m kvstore.bench.nvme_profile --depths 8,1,2,4 --block-mib 2,4,16 --callers 1,4 --total-mb 512 --repeats 5
 
 Per block, in microseconds: each call's time summed over the threads that made it (so with 4 I/O
 threads the sum exceeds the wall time), the wall time per block, and the limit's time per block.
@@ -158,6 +159,8 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--layouts", action="store_true", help="file layouts instead of the tier profile (with --full: "
                    "a full cache, every block evicting one; without: a cache still filling)")
+    p.add_argument("--depths", default=None, metavar="D,D,...", help="the engine's depth per I/O thread, each in "
+                   "turn (tiers.nvme.engine_depth; the first is the reference), instead of the profile: e.g. 8,1,2,4")
     p.add_argument("--full", action="store_true", help="a full cache: every block written evicts one")
     p.add_argument("--scan", type=int, default=0, metavar="N", help="the restart scan's time for N block files "
                    "(--scan-kib each; both header layouts) instead of the profile")
@@ -171,6 +174,16 @@ def main(argv=None) -> None:
                       f"{' '.join(f'{t:.2f}' for t in r['seconds'])} s ({r['us_per_file']:.0f} us a file, median); "
                       f"indexed {r['indexed']}, dropped {r['dropped']}; written in {r['write_s']:.1f} s")
             return
+        if a.depths:
+            choices = tuple(int(x) for x in a.depths.split(","))
+            for mib in [float(x) for x in a.block_mib.split(",")]:
+                for c in [int(x) for x in a.callers.split(",")]:
+                    for op, r in depths(int(mib * 2**20), c, a.total_mb << 20, d, a.io_threads, repeats=a.repeats,
+                                        choices=choices).items():
+                        print(f"{mib:g} MiB, {c} caller(s), {op}: limit {r['limit']:.2f} GB/s; " + "; ".join(
+                            f"depth {k}: {r[k][0]:.2f} GB/s ({r[k][0] / r['limit']:.3f} of it, {r[k][1]:.3f}x depth "
+                            f"{choices[0]})" for k in choices))
+            return
         if a.layouts:
             for mib in [float(x) for x in a.block_mib.split(",")]:
                 for name, runs in layouts(int(mib * 2**20), a.total_mb << 20, d, a.io_threads, a.repeats,
@@ -182,6 +195,52 @@ def main(argv=None) -> None:
             for c in [int(x) for x in a.callers.split(",")]:
                 _print(mib, c, profile(int(mib * 2**20), c, a.total_mb << 20, d, a.io_threads, repeats=a.repeats,
                                        full=a.full))
+
+
+def depths(block_bytes: int, callers: int, total: int, folder: str, io_threads: int = 4, batch: int = 32,
+           repeats: int = 5, choices=(8, 1, 2, 4)) -> dict:
+    """The engine's depth per I/O thread (``tiers.nvme.engine_depth``), each of ``choices`` in
+    turn, the order rotated each round, beside one O_DIRECT limit a round: a fresh put (a new store
+    and folder, timed to ``flush``) and a get of those blocks, read back and checked. Returns per
+    op the limit's GB/s and per depth the median GB/s and the median of its ratios to the first
+    choice's run of the same round (paired: the disk's drift between rounds cancels)."""
+    n = max(batch, total // block_bytes)
+    _m1, flat = alloc_aligned(n * block_bytes)
+    src = flat.reshape(n, block_bytes)
+    src[:] = np.random.default_rng(0).integers(0, 256, size=block_bytes, dtype=np.uint8)[None, :]
+    src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
+    _m2, oflat = alloc_aligned(n * block_bytes)
+    out = oflat.reshape(n, block_bytes)
+    gbps = {op: {d: [] for d in choices} for op in ("put", "get")}
+    limit = {"put": [], "get": []}
+    for r in range(repeats):
+        w, rd, _ = odirect_rows_s(folder, src, out, io_threads)
+        limit["put"].append(n * block_bytes / w / 1e9)
+        limit["get"].append(n * block_bytes / rd / 1e9)
+        for depth in choices[r % len(choices):] + choices[:r % len(choices)]:
+            fp = ModelFingerprint(model=f"depth-{time.perf_counter_ns()}", dtype="uint8", block_size=1,
+                                  num_layers=1, num_kv_heads=1, head_size=block_bytes)
+            cfg = {"tiers": {"dram": {"capacity_gb": 0},
+                             "nvme": {"capacity_gb": stores.capacity_gb(2 * n, block_bytes, "nvme"), "ttl_s": None,
+                                      "path": os.path.join(folder, f"d{r}-{depth}"), "io_threads": io_threads,
+                                      "engine": "auto", "engine_depth": depth}}}
+            store = stores.open_store(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=1)
+            keys = chain_keys(store.root, np.arange(n) + r * n, 1)
+            try:
+                t = time.perf_counter()
+                run_op(store.put, keys, src, batch, callers)
+                store.flush()
+                gbps["put"][depth].append(n * block_bytes / (time.perf_counter() - t) / 1e9)
+                out[:] = 0
+                wall, _ = run_op(store.get, keys, out, batch, callers)
+                gbps["get"][depth].append(n * block_bytes / wall / 1e9)
+                assert np.array_equal(out, src), "bytes differ"
+            finally:
+                store.close(persist=False)
+    first = choices[0]
+    return {op: {"limit": statistics.median(limit[op]),
+                 **{d: (statistics.median(v), statistics.median(x / y for x, y in zip(v, gbps[op][first])))
+                    for d, v in gbps[op].items()}} for op in gbps}
 
 
 def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repeats: int = 3) -> dict:

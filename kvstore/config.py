@@ -4,7 +4,7 @@ Schema (public; the tuner writes it, the connector reads it)::
 
     tiers:
       dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory, headroom_blocks}
-      nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header, admit_after}
+      nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header, engine, engine_depth, admit_after}
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads, load_only_if_faster}
     metrics: {port}
@@ -104,6 +104,7 @@ class NvmeConfig(_Sized):
     io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
     header: str = _f("auto", F.choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
     engine: Any = _f("auto", F.choice, choices=("auto", "io_uring", "threads", "off", False))  # batched native block I/O (kvstore/tiers/nvme/blockio.py): auto = io_uring, else its thread pool; off (YAML reads off as False)
+    engine_depth: Any = _f("auto", F.auto_or_int, minimum=1, maximum=64)  # the engine's blocks in flight per I/O thread; auto: about 16 MiB in flight in all (kvstore/tiers/nvme/tier.py, engine_depth)
     admit_after: int = _f(0, F.integer, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
 
 

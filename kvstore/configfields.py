@@ -67,11 +67,12 @@ def integer(key: str, v: Any, *, minimum: int, maximum: int | None = None, allow
     return v
 
 
-def auto_or_int(key: str, v: Any) -> int | str:
+def auto_or_int(key: str, v: Any, *, minimum: int = 0, maximum: int | None = None) -> int | str:
     if isinstance(v, str) and v.strip().lower() == "auto":
         return "auto"
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(key, v, "auto | an integer >= 0")
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+        rng = f"an integer in [{minimum}, {maximum}]" if maximum is not None else f"an integer >= {minimum}"
+        raise ConfigError(key, v, "auto | " + rng)
     return v
 
 

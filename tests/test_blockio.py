@@ -379,7 +379,7 @@ def test_bad_arguments_are_clear_errors():
 
 
 # -- the engine in the store (tiers.nvme.engine): moves.py hands it each I/O thread's part -------------
-def _store(path, engine, block=BLOCK, dram_blocks=0, nvme_blocks=64, header="inline"):
+def _store(path, engine, block=BLOCK, dram_blocks=0, nvme_blocks=64, header="inline", depth="auto"):
     from kvstore.config import from_dict
     from kvstore.keys import ModelFingerprint
     from kvstore.store import KVStore
@@ -388,8 +388,34 @@ def _store(path, engine, block=BLOCK, dram_blocks=0, nvme_blocks=64, header="inl
                           head_size=block)
     cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_blocks * ff.round_up(block) / 2**30, "pin_memory": False},
                                "nvme": {"path": str(path), "capacity_gb": nvme_blocks * ff.file_bytes(block) / 2**30,
-                                        "ttl_s": None, "io_threads": 4, "engine": engine, "header": header}}})
+                                        "ttl_s": None, "io_threads": 4, "engine": engine, "header": header,
+                                        "engine_depth": depth}}})
     return KVStore(cfg, block_bytes=block, fingerprint=fp, clock=Clock())
+
+
+def test_the_engine_depth_is_the_configs_or_about_16_mib_in_flight(tmp_path):
+    """tiers.nvme.engine_depth: a number as given; auto: about 16 MiB in flight over the I/O
+    threads, between 2 and 8 a thread (2 for 2 MiB blocks and 4 threads); the thread pool that
+    stands in for io_uring keeps its 8 workers. At depth 1 (each block
+    opened, read and hashed with nothing else in flight) the blocks still all go through the
+    engine and come back right."""
+    from kvstore.tiers.nvme.tier import auto_depth
+
+    assert [auto_depth(b, 4) for b in (256 << 10, 1 << 20, 2 << 20, (2 << 20) + 4096, 32 << 20)] == [8, 4, 2, 2, 2]
+    assert auto_depth(2 << 20, 1) == 8 and auto_depth(4 << 20, 1) == 4
+    auto, one = _store(tmp_path / "auto", "auto"), _store(tmp_path / "one", "auto", depth=1)
+    assert auto.nvme.engine._e.depth == auto_depth(auto.nvme.file_bytes, 4) == 8  # a small block: 8
+    assert one.nvme.engine._e.depth == 1
+    pool = _store(tmp_path / "pool", "threads")  # no io_uring: its thread pool, 8 workers shared by every caller
+    assert pool.nvme.engine.backend == "threads" and pool.nvme.engine._e.depth == 8
+    pool.close()
+    ks = keys(40)
+    mm, src = rows(40)
+    mo, out = rows(40, seed=5)
+    assert one.put(ks, src) == 40 and one.get(ks, out) == 40 and np.array_equal(out, src)
+    assert one.nvme.engine.stats["engine_writes"] == 40 and one.nvme.engine.stats["engine_reads"] == 40
+    auto.close()
+    one.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -90,7 +90,8 @@ class TierSet:
         tier = NvmeTier(path=path, namespace=self._namespaces["nvme"], capacity_bytes=cfg.capacity_bytes,
                         ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=self.block_bytes,
                         codec_id=CODEC_IDS[cfg.codec], o_direct=cfg.o_direct, header=cfg.header, clock=clock,
-                        codec=self._codec(cfg), engine=cfg.engine, keep_meta=keep_meta)
+                        codec=self._codec(cfg), engine=cfg.engine, engine_depth=cfg.engine_depth,
+                        io_threads=cfg.io_threads, keep_meta=keep_meta)
         tier.index.ttl_shared = cfg.ttl_shared_s
         tier.write_through = cfg.write_mode == "write_through"
         tier.admit_after = cfg.admit_after
