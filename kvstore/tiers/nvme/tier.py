@@ -713,9 +713,10 @@ def auto_depth(file_bytes: int, io_threads: int) -> int:
     flight as with more; past that, requests only wait longer, complete in a bunch, and leave their
     checksums for the end of the call. Measured here (virtio disk, ext4, O_DIRECT 1.6-2.2 GB/s; a
     store's 32-block get and fresh put, 4 I/O threads, the depth per thread swapped in one process,
-    rounds rotated, median of 4-6): depth 2 against the former fixed 8, gets 1.05x at 2 MiB and at
-    4 MiB, 1.02x at 16 MiB, 1.01x with 4 callers; fresh puts 1.02x at 2 MiB, 1.04x at 4 MiB, 1.01x
-    at 16 MiB; depth 1 no better than 2 (a thread then opens and hashes with nothing in flight);
+    rounds rotated, median of 4-6): depth 2 against the former fixed 8, gets 1.04-1.05x at 2 MiB,
+    1.03-1.05x at 4 MiB, 1.02x at 16 MiB, 1.01x with 4 callers; fresh puts 1.02-1.03x at 2 MiB,
+    0.99-1.04x at 4 MiB, 1.00-1.01x at 16 MiB; one thread at depth 8 read as fast as 4 at depth 2,
+    one at depth 32 0.96x (what counts is what is in flight in all); depth 1 no better than 2 (a thread then opens and hashes with nothing in flight);
     at 256 KiB blocks (auto: 8) every depth from 2 to 16 within 2 %. ``bench/nvme_profile.py
     --depths`` repeats it."""
     return max(2, min(8, IN_FLIGHT_BYTES // max(1, io_threads * file_bytes)))
