@@ -85,17 +85,23 @@ def _unpatch(saved) -> None:
     nvme_mod.os, nvme_mod.ff, folder_mod.os, nvme_mod.open_subdir, pool_mod.os = saved
 
 
+def _rows(n: int, block_bytes: int):
+    """``n`` page-aligned source rows (the same random bytes, each its number in the first 8) and
+    as many output rows; the mappings first (keep them while the rows are used)."""
+    m1, flat = alloc_aligned(n * block_bytes)
+    src = flat.reshape(n, block_bytes)
+    src[:] = np.random.default_rng(0).integers(0, 256, size=block_bytes, dtype=np.uint8)[None, :]
+    src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
+    m2, oflat = alloc_aligned(n * block_bytes)
+    return (m1, m2), src, oflat.reshape(n, block_bytes)
+
+
 def profile(block_bytes: int, callers: int, total: int, folder: str, io_threads: int = 4, batch: int = 32,
             repeats: int = 3, full: bool = False, engine: str = "off") -> dict:
     """``full``: a full cache (room for the blocks, filled first with others): every block
     written evicts one, as in a long-running store."""
     n = max(batch, total // block_bytes)
-    _m1, flat = alloc_aligned(n * block_bytes)
-    src = flat.reshape(n, block_bytes)
-    src[:] = np.random.default_rng(0).integers(0, 256, size=block_bytes, dtype=np.uint8)[None, :]
-    src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
-    _m2, oflat = alloc_aligned(n * block_bytes)
-    out = oflat.reshape(n, block_bytes)
+    _maps, src, out = _rows(n, block_bytes)
     res = {"put": defaultdict(list), "get": defaultdict(list)}
     for r in range(repeats):
         w, rd, _ = odirect_rows_s(folder, src, out, io_threads)
@@ -205,12 +211,7 @@ def depths(block_bytes: int, callers: int, total: int, folder: str, io_threads: 
     op the limit's GB/s and per depth the median GB/s and the median of its ratios to the first
     choice's run of the same round (paired: the disk's drift between rounds cancels)."""
     n = max(batch, total // block_bytes)
-    _m1, flat = alloc_aligned(n * block_bytes)
-    src = flat.reshape(n, block_bytes)
-    src[:] = np.random.default_rng(0).integers(0, 256, size=block_bytes, dtype=np.uint8)[None, :]
-    src[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
-    _m2, oflat = alloc_aligned(n * block_bytes)
-    out = oflat.reshape(n, block_bytes)
+    _maps, src, out = _rows(n, block_bytes)
     gbps = {op: {d: [] for d in choices} for op in ("put", "get")}
     limit = {"put": [], "get": []}
     for r in range(repeats):
