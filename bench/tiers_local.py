@@ -196,7 +196,7 @@ def _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r, engine: str |
             res["verified"] = _and(res["verified"], res.pop("full_verified"))
         eng = getattr(tier_obj, "engine", None)
         if tier == "nvme":
-            res["engine"] = f"{eng.backend}, depth {eng._e.depth}" if eng is not None else "off"
+            res["engine"] = f"{eng.backend}, depth {eng.depth}" if eng is not None else "off"
         res["stored"] = tier_obj.index.used  # (a get from one tier alone moves nothing)
         res["on_disk"] = None
         if tier == "nvme":

@@ -104,7 +104,7 @@ class NvmeConfig(_Sized):
     io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
     header: str = _f("auto", F.choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
     engine: Any = _f("auto", F.choice, choices=("auto", "io_uring", "threads", "off", False))  # batched native block I/O (kvstore/tiers/nvme/blockio.py): auto = io_uring, else its thread pool; off (YAML reads off as False)
-    engine_depth: Any = _f("auto", F.auto_or_int, minimum=1, maximum=64)  # the engine's blocks in flight per I/O thread; auto: about 16 MiB in flight in all (kvstore/tiers/nvme/tier.py, engine_depth)
+    engine_depth: Any = _f("auto", F.auto_or_int, minimum=1, maximum=64)  # the engine's blocks in flight per I/O thread; auto: about 16 MiB in flight in all (kvstore/tiers/nvme/tier.py, auto_depth)
     admit_after: int = _f(0, F.integer, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
 
 

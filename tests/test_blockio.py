@@ -404,10 +404,10 @@ def test_the_engine_depth_is_the_configs_or_about_16_mib_in_flight(tmp_path):
     assert [auto_depth(b, 4) for b in (256 << 10, 1 << 20, 2 << 20, (2 << 20) + 4096, 32 << 20)] == [8, 4, 2, 2, 2]
     assert auto_depth(2 << 20, 1) == 8 and auto_depth(4 << 20, 1) == 4
     auto, one = _store(tmp_path / "auto", "auto"), _store(tmp_path / "one", "auto", depth=1)
-    assert auto.nvme.engine._e.depth == auto_depth(auto.nvme.file_bytes, 4) == 8  # a small block: 8
-    assert one.nvme.engine._e.depth == 1
+    assert auto.nvme.engine.depth == auto_depth(auto.nvme.file_bytes, 4) == 8  # a small block: 8
+    assert one.nvme.engine.depth == 1
     pool = _store(tmp_path / "pool", "threads")  # no io_uring: its thread pool, 8 workers shared by every caller
-    assert pool.nvme.engine.backend == "threads" and pool.nvme.engine._e.depth == 8
+    assert pool.nvme.engine.backend == "threads" and pool.nvme.engine.depth == 8
     pool.close()
     ks = keys(40)
     mm, src = rows(40)

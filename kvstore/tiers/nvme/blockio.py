@@ -89,6 +89,11 @@ class BlockIO:
         return self._e.backend
 
     @property
+    def depth(self) -> int:
+        """Block files in flight per calling thread (io_uring), or the pool's workers (threads)."""
+        return self._e.depth
+
+    @property
     def reason(self) -> str:
         """Why the backend is not io_uring ("" when it is)."""
         return self._e.reason

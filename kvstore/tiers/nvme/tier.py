@@ -711,14 +711,16 @@ def auto_depth(file_bytes: int, io_threads: int) -> int:
     """The engine's depth per I/O thread (each moves a part of a batch on its own ring) for about
     ``IN_FLIGHT_BYTES`` in flight in all, between 2 and 8. A device streams as fast with 16 MiB in
     flight as with more; past that, requests only wait longer, complete in a bunch, and leave their
-    checksums for the end of the call. Measured here (virtio disk, ext4, O_DIRECT 1.6-2.2 GB/s; a
-    store's 32-block get and fresh put, 4 I/O threads, the depth per thread swapped in one process,
-    rounds rotated, median of 4-6): depth 2 against the former fixed 8, gets 1.04-1.05x at 2 MiB,
-    1.03-1.05x at 4 MiB, 1.02x at 16 MiB, 1.01x with 4 callers; fresh puts 1.02-1.03x at 2 MiB,
-    0.99-1.04x at 4 MiB, 1.00-1.01x at 16 MiB; one thread at depth 8 read as fast as 4 at depth 2,
-    one at depth 32 0.96x (what counts is what is in flight in all); depth 1 no better than 2 (a thread then opens and hashes with nothing in flight);
-    at 256 KiB blocks (auto: 8) every depth from 2 to 16 within 2 %. ``bench/nvme_profile.py
-    --depths`` repeats it."""
+    checksums for the end of the call.
+
+    Measured here (virtio disk, ext4, O_DIRECT 1.6-2.2 GB/s; a store's 32-block get and fresh put,
+    4 I/O threads, the depth per thread swapped in one process, rounds rotated, median of 4-6),
+    depth 2 against the former fixed 8: gets 1.04-1.05x at 2 MiB, 1.03-1.05x at 4 MiB, 1.02x at
+    16 MiB, 1.01x with 4 callers; fresh puts 1.02-1.03x at 2 MiB, 0.99-1.04x at 4 MiB, 1.00-1.01x
+    at 16 MiB. One thread at depth 8 read as fast as 4 at depth 2, one at depth 32 0.96x: what
+    counts is what is in flight in all. Depth 1 was no better than 2 (a thread then opens and hashes
+    with nothing in flight). At 256 KiB blocks (auto: 8) every depth from 2 to 16 was within 2 %.
+    ``python -m kvstore.bench.nvme_profile --depths 8,1,2,4`` repeats it."""
     return max(2, min(8, IN_FLIGHT_BYTES // max(1, io_threads * file_bytes)))
 
 
@@ -740,7 +742,7 @@ def _engine(kind: str, depth: int | str, file_bytes: int, io_threads: int):
     except RuntimeError as e:  # io_uring asked for and refused here: its thread pool instead
         log.warning("kvstore nvme: %s; the engine's thread pool runs instead", e)
         return blockio.BlockIO("threads", threads)
-    if bio.backend == "threads" and bio._e.depth != threads:  # auto without io_uring: the pool's own size
+    if bio.backend == "threads" and bio.depth != threads:  # auto without io_uring: the pool's own size
         bio.close()
         bio = blockio.BlockIO("threads", threads)
     return bio
