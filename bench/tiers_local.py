@@ -12,8 +12,8 @@ import numpy as np
 
 from kvstore.bench import stores
 from kvstore.bench.limits import memcpy_rows_s, odirect_rows_s, odirect_seq_rows_gbps
-from kvstore.bench.tiers_ops import (cpu_s, fingerprint, nbytes_gb, not_measured, pct, put_then_get, run_op,
-                                     timed_get)
+from kvstore.bench.tiers_ops import (call_batch, cpu_s, fingerprint, nbytes_gb, not_measured, pct, put_then_get,
+                                     run_op, timed_get)
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
 
@@ -105,7 +105,8 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
                         if res.get("on_disk") is not None:
                             on_disk.append(res["on_disk"])
                 else:  # the peer checks its own bytes against the same blocks
-                    res = peer.run(tier, c, a.batch, os.path.join(folder, f"lmcache-{r}"), a.io_threads)
+                    res = peer.run(tier, c, call_batch(n, a.batch, c), os.path.join(folder, f"lmcache-{r}"),
+                                   a.io_threads)  # the same calls as kvstore's (run_op)
             except Exception as e:
                 if path == "store":
                     bar.advance(a.repeats - r)

@@ -19,10 +19,19 @@ def fingerprint(a, model: str, tokens: int, codec: str) -> ModelFingerprint:
                             head_size=a.head_size, codec=codec)
 
 
+def call_batch(n: int, batch: int, callers: int) -> int:
+    """Blocks a call: ``batch``, or fewer where ``n`` blocks in calls of ``batch`` would leave a
+    caller idle. (512 MB of 16 MiB blocks is 32 blocks: in calls of 32, "4 callers" was one caller
+    and three idle, against a limit copying from 4 threads; now 4 calls of 8.)"""
+    return max(1, min(batch, -(-n // max(1, callers))))
+
+
 def run_op(fn, keys: list[bytes], rows: np.ndarray, batch: int, threads: int,
            counted: list[int] | None = None) -> tuple[float, list[float]]:
-    """Call fn(keys[i:i+batch], rows[i:i+batch]) over all keys from ``threads`` callers
-    (the sum of fn's results is appended to ``counted``)."""
+    """Call fn(keys[i:i+b], rows[i:i+b]) over all keys from ``threads`` callers, ``b`` the
+    :func:`call_batch` of ``batch`` (every caller has a call); the sum of fn's results is
+    appended to ``counted``."""
+    batch = call_batch(len(keys), batch, threads)
     starts = list(range(0, len(keys), batch))
     per = [starts[t::threads] for t in range(threads)]
     lat: list[float] = []

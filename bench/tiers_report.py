@@ -16,7 +16,8 @@ def render(data: dict) -> str:
     head = (f"Reference limits (one 2-buffer copy / dd-style file, whole run size): memcpy {L['memcpy_gbps']:.2f} GB/s; "
             f"{'O_DIRECT' if L['o_direct'] else 'buffered+fsync'} sequential write {L['odirect_write_gbps']:.2f} GB/s, "
             f"read {L['odirect_read_gbps']:.2f} GB/s. Each row's own limit (same bytes, measured beside it) is in "
-            f"its 'limit' columns; latency is per call of {data['params']['batch']} blocks.\n")
+            f"its 'limit' columns; latency is per call of {data['params']['batch']} blocks "
+            f"(fewer where a caller would otherwise have none: bench/tiers_ops.py, call_batch).\n")
     for what in data.get("kv_data", []):
         head += f"Block contents: {what}.\n"
     head += ("ratio = GB/s / limit. comp = raw bytes / bytes the tier holds for them (files at their real size); "
@@ -183,7 +184,7 @@ def plot(data: dict, folder: str) -> list[str]:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("tokens per block (block size)")
-        ax.set_ylabel(f"ms per call of {data['params']['batch']} blocks (log scale)")
+        ax.set_ylabel(f"ms per call of up to {data['params']['batch']} blocks (log scale)")
         ax.set_title(f"{name[tier]} latency: p50 solid, p99 dashed")
         ax.grid(alpha=0.3, which="both")
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8)

@@ -66,6 +66,27 @@ def test_tiers_small(tmp_path, capsys):
     assert "| tier | op | codec |" in text and "ratio" in text
 
 
+def test_every_caller_has_a_call_when_the_blocks_are_few():
+    """32 blocks (512 MB of 16 MiB blocks) in calls of 32 from 4 callers: 4 calls of 8, all 4 callers
+    at once (before, one call: one caller working, three idle, beside a limit copying from 4)."""
+    import threading
+
+    from kvstore.bench.tiers_ops import call_batch, run_op
+
+    together = threading.Barrier(4, timeout=10)  # broken unless 4 callers are in a call at once
+    sizes = []
+
+    def fn(keys, rows):
+        sizes.append(len(keys))
+        together.wait()
+        return len(keys)
+
+    got = []
+    run_op(fn, [bytes([i]) for i in range(32)], np.zeros((32, 8), np.uint8), 32, 4, got)
+    assert sorted(sizes) == [8, 8, 8, 8] and got == [32]
+    assert [call_batch(256, 32, 4), call_batch(16, 32, 1), call_batch(5, 32, 4), call_batch(32, 32, 4)] == [32, 16, 2, 8]
+
+
 def test_tiers_nvme_paths_share_each_limit(tmp_path):
     """--nvme-paths store,blockio,noengine: the store as configured, with the native engine forced on
     (``--engine-backend threads``) and with it off; the same bytes, folder and repeats, each row
