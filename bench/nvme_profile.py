@@ -8,6 +8,7 @@ file recycled, kvstore/tiers/nvme/pool.py).
 
     python -m kvstore.bench.nvme_profile --block-mib 2,16 --callers 1,4 --total-mb 256 --repeats 3 [--full]
     python -m kvstore.bench.nvme_profile --depths 8,1,2,4 --block-mib 2,4,16 --callers 1,4 --total-mb 512 --repeats 5
+    python -m kvstore.bench.nvme_profile --cpu-beside 0,0.4,0.8 --block-mib 2,16 --total-mb 512 --repeats 7
 
 Per block, in microseconds: each call's time summed over the threads that made it (so with 4 I/O
 threads the sum exceeds the wall time), the wall time per block, and the limit's time per block.
@@ -171,8 +172,17 @@ def main(argv=None) -> None:
     p.add_argument("--scan", type=int, default=0, metavar="N", help="the restart scan's time for N block files "
                    "(--scan-kib each; both header layouts) instead of the profile")
     p.add_argument("--scan-kib", type=int, default=4)
+    p.add_argument("--cpu-beside", default=None, metavar="F,F,...", help="the O_DIRECT read limit with a thread "
+                   "hashing (xxh3, without the GIL) this fraction of a core beside it, e.g. 0,0.4,0.8")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstore-prof-", dir=a.dir) as d:
+        if a.cpu_beside:
+            duties = tuple(float(x) for x in a.cpu_beside.split(","))
+            for mib in [float(x) for x in a.block_mib.split(",")]:
+                r = cpu_beside(int(mib * 2**20), a.total_mb << 20, d, a.io_threads, a.repeats, duties)
+                print(f"{mib:g} MiB, O_DIRECT read x{a.io_threads}: " + "; ".join(
+                    f"{k:g} core beside: {v[0]:.2f} GB/s ({v[1]:.3f}x none, paired)" for k, v in r.items()))
+            return
         if a.scan:
             for header in ("xattr", "inline"):
                 r = scan_time(a.scan, a.scan_kib << 10, d, header, a.repeats)
@@ -242,6 +252,42 @@ def depths(block_bytes: int, callers: int, total: int, folder: str, io_threads: 
     return {op: {"limit": statistics.median(limit[op]),
                  **{d: (statistics.median(v), statistics.median(x / y for x, y in zip(v, gbps[op][first])))
                     for d, v in gbps[op].items()}} for op in gbps}
+
+
+def cpu_beside(block_bytes: int, total: int, folder: str, io_threads: int = 4, repeats: int = 5,
+               duties=(0.0, 0.4, 0.8)) -> dict:
+    """The O_DIRECT read limit (bench/limits.py) with a thread beside it hashing 16 MiB at a time
+    (the engine's xxh3, the GIL released) for ``duty`` of a core, each duty in turn every round.
+    Returns per duty the median GB/s and the median of its ratios to the first duty's run of the same
+    round. The limit hashes nothing; a store verifying what it reads does (xxh3: ~165 us a 2 MiB block)."""
+    from kvstore import _blockio  # type: ignore[attr-defined]
+
+    n = max(1, total // block_bytes)
+    _maps, src, out = _rows(n, block_bytes)
+    buf = np.full(16 << 20, 7, np.uint8)
+    got = {d: [] for d in duties}
+    for r in range(repeats):
+        for duty in duties[r % len(duties):] + duties[:r % len(duties)]:
+            stop = threading.Event()
+
+            def burn(duty=duty):
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    _blockio.xxh3_64(buf)
+                    time.sleep((time.perf_counter() - t) * (1 - duty) / duty)
+
+            th = threading.Thread(target=burn) if duty > 0 else None
+            if th is not None:
+                th.start()
+            try:
+                _w, rd, _ = odirect_rows_s(folder, src, out, io_threads)
+            finally:
+                stop.set()
+                if th is not None:
+                    th.join()
+            got[duty].append(n * block_bytes / rd / 1e9)
+    first = got[duties[0]]
+    return {d: (statistics.median(v), statistics.median(x / y for x, y in zip(v, first))) for d, v in got.items()}
 
 
 def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repeats: int = 3) -> dict:

@@ -37,8 +37,8 @@ class Clock:
         return self.t
 
 
-def tier(path, header, block=BLOCK, ns=NS, clock=None):
-    return NvmeTier(path=path, namespace=ns, capacity_bytes=256 * (block + 8192), ttl_s=None, policy="lru",
+def tier(path, header, block=BLOCK, ns=NS, clock=None, blocks=256):
+    return NvmeTier(path=path, namespace=ns, capacity_bytes=blocks * (block + 8192), ttl_s=None, policy="lru",
                     block_bytes=block, header=header, clock=clock or Clock())
 
 
@@ -68,10 +68,15 @@ def get(t, bio, ks, out):
     return oks
 
 
-@pytest.fixture(params=BACKENDS)
+# "io_uring x4": three helper threads share each batch (a block is done by whichever thread took it)
+ENGINES = BACKENDS + (["io_uring x4"] if "io_uring" in BACKENDS else [])
+
+
+@pytest.fixture(params=ENGINES)
 def bio(request):
-    b = blockio.BlockIO(request.param, depth=4)
-    assert b.backend == request.param
+    backend, _, threads = request.param.partition(" x")
+    b = blockio.BlockIO(backend, depth=4, threads=int(threads or 1))
+    assert b.backend == backend and b.threads == int(threads or 1)
     yield b
     b.close()
 
@@ -378,7 +383,7 @@ def test_bad_arguments_are_clear_errors():
         e.write(None, [], [])
 
 
-# -- the engine in the store (tiers.nvme.engine): moves.py hands it each I/O thread's part -------------
+# -- the engine in the store (tiers.nvme.engine): moves.py hands it a batch, or each I/O thread's part --
 def _store(path, engine, block=BLOCK, dram_blocks=0, nvme_blocks=64, header="inline", depth="auto"):
     from kvstore.config import from_dict
     from kvstore.keys import ModelFingerprint
@@ -422,7 +427,7 @@ def test_the_engine_depth_is_the_configs_or_about_16_mib_in_flight(tmp_path):
 @pytest.mark.parametrize("header", HEADERS)
 def test_the_store_moves_blocks_through_the_engine_same_files_as_without(tmp_path, backend, header):
     """A store with the engine on and one with it off, the same blocks: the same files (but for the
-    created time), every block through the engine (each I/O thread's part one batch), read back
+    created time), every block through the engine (a batch a call, or a part per I/O thread), read back
     right by both; a full cache recycles files through the engine too."""
     on, off = _store(tmp_path / "on", backend, header=header), _store(tmp_path / "off", "off", header=header)
     assert on.nvme.engine.backend == backend and off.nvme.engine is None
@@ -489,3 +494,107 @@ def test_demotions_from_dram_go_through_the_engine(tmp_path):
     mo, out = rows(40, seed=5)
     assert s.get(ks, out) == 40 and np.array_equal(out, src)
     s.close()
+
+
+# -- helper threads (io_uring, threads > 1): a batch shared off one cursor --------------------------
+def _bio_threads() -> int:
+    return sum(1 for t in os.listdir("/proc/self/task")
+               if open(f"/proc/self/task/{t}/comm").read().strip() == "kvstore-bio")
+
+
+@pytest.mark.skipif("io_uring" not in BACKENDS, reason="io_uring refused here: no helper threads")
+@pytest.mark.parametrize("header", HEADERS)
+def test_helpers_take_blocks_of_a_callers_batch_and_end_with_the_engine(tmp_path, header):
+    """threads=4: three helper threads (bounded: the same three for every batch, joined at close)
+    take blocks of a caller's batch off its cursor: within a few batches some block is theirs, and
+    every block of every batch is written and read back right."""
+    before = _bio_threads()
+    b = blockio.BlockIO("io_uring", depth=2, threads=4)
+    assert b.threads == 4 and _bio_threads() == before + 3
+    t = tier(tmp_path, header, blocks=20 * 64)
+    n = 64
+    mm, src = rows(n)
+    mo, out = rows(n, seed=9)
+    for attempt in range(20):  # a helper wakes within microseconds; a loaded machine may let the caller finish first
+        ks = keys(n, seed=attempt)
+        assert put(t, b, ks, src) == [True] * n
+        out[:] = 0
+        assert get(t, b, ks, out) == [True] * n and np.array_equal(out, src)
+        if b.helped:
+            break
+    assert b.helped > 0 and b.stats["engine_writes"] == b.stats["engine_reads"] == n * (attempt + 1)
+    b.close()
+    assert _bio_threads() == before
+    t.close()
+    one = blockio.BlockIO("io_uring", depth=2)  # threads=1: no helpers
+    assert one.threads == 1 and _bio_threads() == before
+    one.close()
+
+
+@pytest.mark.skipif("io_uring" not in BACKENDS, reason="io_uring refused here: no helper threads")
+def test_many_callers_at_once_share_the_helpers_and_all_come_back_right(tmp_path):
+    """Six callers at once on one engine with helpers (more callers than its threads: each caller
+    runs its own batch, helpers join whichever is open): every batch is right, none hangs."""
+    import threading
+
+    b = blockio.BlockIO("io_uring", depth=2, threads=4)
+    t = tier(tmp_path, "inline", blocks=6 * 6 * 8)
+    errors: list[str] = []
+
+    def caller(c: int) -> None:
+        mm, src = rows(8, seed=c)
+        mo, out = rows(8, seed=100 + c)
+        for r in range(6):
+            ks = keys(8, seed=1000 * c + r)
+            if put(t, b, ks, src) != [True] * 8:
+                errors.append(f"caller {c} round {r}: a write failed")
+            out[:] = 0
+            if get(t, b, ks, out) != [True] * 8 or not np.array_equal(out, src):
+                errors.append(f"caller {c} round {r}: wrong bytes")
+
+    ths = [threading.Thread(target=caller, args=(c,)) for c in range(6)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in ths), "a caller hangs"
+    assert errors == [] and b.stats["engine_reads"] == 6 * 6 * 8
+    b.close()
+    t.close()
+
+
+def test_a_tier_whose_engine_spreads_gets_one_call_a_batch(tmp_path, monkeypatch):
+    """The mover cuts a batch per I/O thread only where the tier does not spread it itself: the
+    io_uring engine with helpers (``spreads``) gets one read_many / write_many call a batch; the
+    thread pool, a codec (the tier's own path per block) or no engine, a call per I/O thread."""
+    calls: list[tuple[str, int]] = []
+    for op in ("read_many", "write_many"):
+        real = getattr(NvmeTier, op)
+        monkeypatch.setattr(NvmeTier, op, lambda self, es, bufs, _r=real, _op=op: calls.append((_op, len(es)))
+                            or _r(self, es, bufs))
+    cases = [("threads", None), ("off", None), ("auto", "zstd")] + ([("io_uring", None)] if "io_uring" in BACKENDS else [])
+    for engine, codec in cases:
+        s = _store(tmp_path / f"{engine}-{codec}", engine)
+        if codec is not None:
+            s.close()
+            from kvstore.config import from_dict
+            from kvstore.keys import ModelFingerprint
+            from kvstore.store import KVStore
+            cfg = from_dict({"tiers": {"dram": {"capacity_gb": 0}, "nvme": {
+                "path": str(tmp_path / "zstd"), "capacity_gb": 64 * ff.file_bytes(BLOCK) / 2**30, "ttl_s": None,
+                "io_threads": 4, "engine": "auto", "codec": "zstd"}}})
+            s = KVStore(cfg, block_bytes=BLOCK, fingerprint=ModelFingerprint(
+                model="engine-wiring", dtype="uint8", block_size=1, num_layers=1, num_kv_heads=1, head_size=BLOCK),
+                clock=Clock())
+        spreads = engine == "io_uring"
+        assert s.nvme.spreads is spreads, (engine, codec)
+        ks = keys(40)
+        mm, src = rows(40)
+        mo, out = rows(40, seed=5)
+        calls.clear()
+        assert s.put(ks, src) == 40
+        assert s.get(ks, out) == 40 and np.array_equal(out, src)
+        want = [40] if spreads else [10, 10, 10, 10]
+        assert sorted(n for op, n in calls if op == "write_many") == want, (engine, codec, calls)
+        assert sorted(n for op, n in calls if op == "read_many") == want, (engine, codec, calls)
+        s.close()

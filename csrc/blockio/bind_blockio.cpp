@@ -48,10 +48,11 @@ void same_len(size_t n, size_t m, const char* what) {
 
 class Engine {
 public:
-    Engine(const std::string& backend, int depth) : depth_(depth < 1 ? 1 : depth) {
+    Engine(const std::string& backend, int depth, int threads)
+        : depth_(depth < 1 ? 1 : depth), threads_(threads < 1 ? 1 : threads) {
         if (backend != "auto" && backend != "io_uring" && backend != "threads")
             throw nb::value_error("blockio: backend must be auto, io_uring or threads");
-        if (backend != "threads") b_.reset(make_uring(depth_, reason_));
+        if (backend != "threads") b_.reset(make_uring(depth_, threads_, reason_));
         if (!b_ && backend == "io_uring") throw std::runtime_error("blockio: io_uring unavailable: " + reason_);
         if (!b_) b_.reset(make_threads(depth_));
         if (backend == "threads") reason_ = "threads asked for";
@@ -149,13 +150,15 @@ public:
     std::string name() const { return b_ ? b_->name() : "closed"; }
     const std::string& reason() const { return reason_; }
     int depth() const { return depth_; }
+    uint64_t helped() const { return b_ ? b_->helped() : 0; }
+    int threads() const { return b_ && std::string(b_->name()) == "io_uring" ? threads_ : 1; }
 
 private:
     Backend& backend() {
         if (!b_) throw std::runtime_error("blockio: engine is closed");
         return *b_;
     }
-    int depth_;
+    int depth_, threads_;
     std::string reason_;
     std::mutex m_;
     std::unique_ptr<Backend> b_;
@@ -182,7 +185,9 @@ NB_MODULE(_blockio, m) {
         return xxh3(p, n);
     }, "buffer"_a, "xxh3-64 of a buffer (the same value as xxhash.xxh3_64_intdigest)");
     nb::class_<Engine>(m, "Engine")
-        .def(nb::init<const std::string&, int>(), "backend"_a = "auto", "depth"_a = 8)
+        .def(nb::init<const std::string&, int, int>(), "backend"_a = "auto", "depth"_a = 8, "threads"_a = 1)
+        .def_prop_ro("threads", &Engine::threads)
+        .def_prop_ro("helped", &Engine::helped)
         .def_prop_ro("backend", &Engine::name)
         .def_prop_ro("reason", &Engine::reason)
         .def_prop_ro("depth", &Engine::depth)

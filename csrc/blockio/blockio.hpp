@@ -106,10 +106,12 @@ public:
     virtual void write(std::vector<WriteJob>& jobs, const Ctx& c) = 0;
     virtual void read(std::vector<ReadJob>& jobs, const Ctx& c) = 0;
     virtual const char* name() const = 0;
+    virtual uint64_t helped() const { return 0; }  // blocks helper threads took from callers' batches
 };
 
 Backend* make_threads(int depth);
-// io_uring, or nullptr with `why` set (not built with liburing, or the kernel refused a ring)
-Backend* make_uring(int depth, std::string& why);
+// io_uring, or nullptr with `why` set (not built with liburing, or the kernel refused a ring);
+// `threads` - 1 helper threads share a caller's batch (blockio_uring.cpp)
+Backend* make_uring(int depth, int threads, std::string& why);
 
 }  // namespace blockio

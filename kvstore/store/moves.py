@@ -5,7 +5,8 @@ A :class:`kvstore.store.chain.Move` names a source tier (or the caller's staged 
 destination tier; it is routed by the pair's media, as vLLM's offloading routes transfers by
 (source medium, destination medium): a tier whose blocks are files (``fan_out``) gets a job per
 part of the move, one part per thread of the pool (the disk wants depth; each part one
-``write_many``/``read_many`` call: a batch for the NVMe engine); a batched medium (Redis
+``write_many``/``read_many`` call), or the whole move as one part where the tier ``spreads`` a call
+over threads itself (the NVMe engine on io_uring, its helper threads); a batched medium (Redis
 pipelines) one call for the move; memory is copied in place. Background moves (demotions, write-through copies,
 files of victims) never run on the caller's thread; the caller's own writes and reads (a store
 into a tier without slots, a load's reads) run on the pool while the caller waits.
@@ -119,17 +120,18 @@ class Moves:
                 self._copy(m)
         return n
 
-    def _parts(self, n: int) -> list[range]:
+    def _parts(self, t: Tier, n: int) -> list[range]:
         """Blocks of a move into (or out of) a ``fan_out`` tier, cut into one part per I/O thread
-        (interleaved): each part one job, one ``write_many``/``read_many`` call (a batch for the
-        NVMe engine; without it, the tier's own write per block)."""
-        k = max(1, min(n, self.io_threads))
+        (interleaved): each part one job, one ``write_many``/``read_many`` call (without the NVMe
+        engine, the tier's own write per block). A tier that ``spreads`` a call over threads
+        itself (the io_uring engine) gets the whole batch in one part."""
+        k = 1 if t.spreads else max(1, min(n, self.io_threads))
         return [range(i, n, k) for i in range(k)]
 
     def _demote(self, m: Move) -> int:
         """Victims written down from their slots: a job per part (each slot freed when its part is
         done), or, for a write-back of the caller's (``background`` False), all of them now."""
-        jobs = [lambda p=[m.pairs[i] for i in part]: self._write_down(m, p) for part in self._parts(len(m.pairs))]
+        jobs = [lambda p=[m.pairs[i] for i in part]: self._write_down(m, p) for part in self._parts(m.dst, len(m.pairs))]
         if not m.background:
             return sum(self._map(jobs))
         for job in jobs:
@@ -154,7 +156,7 @@ class Moves:
     def _copy(self, m: Move) -> None:
         """Write-through: a job per part into files, one batch into a batched medium."""
         if m.dst.fan_out:
-            for part in self._parts(len(m.pairs)):
+            for part in self._parts(m.dst, len(m.pairs)):
                 self.submit(self._copy_part, m, list(part))
         elif m.pairs:
             self.submit(self._copy_batch, m)
@@ -205,7 +207,7 @@ class Moves:
         if not idx:
             return oks
         if t.fan_out:
-            parts = [[idx[k] for k in part] for part in self._parts(len(idx))]
+            parts = [[idx[k] for k in part] for part in self._parts(t, len(idx))]
             done = self._map([lambda p=p: t.write_many([entries[i] for i in p], [views[i] for i in p])
                               for p in parts])
             got = {i: r for p, rs in zip(parts, done) for i, r in zip(p, rs)}
@@ -223,7 +225,7 @@ class Moves:
     def read(self, t: Tier, entries: Sequence[Entry], dsts: Sequence[np.ndarray]) -> list[bool]:
         """Read pinned blocks of ``t`` into ``dsts`` while the caller waits."""
         if t.fan_out:
-            parts = self._parts(len(entries))
+            parts = self._parts(t, len(entries))
             done = self._map([lambda p=p: t.read_many([entries[i] for i in p], [dsts[i] for i in p]) for p in parts])
             out = [False] * len(entries)
             for p, rs in zip(parts, done):

@@ -47,6 +47,7 @@ class Tier(ABC):
     shared: bool = False  # every engine writes it; asked in batches, never pinned (Redis)
     addressable: bool = False  # its slots are memory the caller copies into and out of in place (DRAM)
     fan_out: bool = False  # each block's I/O is worth a thread of the pool (NVMe files)
+    spreads: bool = False  # a fan_out tier whose batch calls spread over threads themselves (one call a batch)
     write_through: bool = False  # copy every block stored above into it at once (else: victims only)
     admit_after: int = 0  # a block is written into it only after this many asks (placement.Admission)
 

@@ -71,12 +71,14 @@ class _Arena(threading.local):
 
 class BlockIO:
     """One engine: ``backend`` "auto" (io_uring, else threads), "io_uring" or "threads"; ``depth``
-    block files in flight per calling thread (io_uring) or in all (threads)."""
+    block files in flight per thread (io_uring) or in all (threads). io_uring: ``threads`` - 1
+    helper threads join a caller's batch, each on its own ring, while fewer than ``threads`` rings
+    are busy (one call moves a batch at ``threads`` x ``depth``)."""
 
-    def __init__(self, backend: str = "auto", depth: int = 8):
+    def __init__(self, backend: str = "auto", depth: int = 8, threads: int = 1):
         if _native is None:
             raise RuntimeError(f"kvstore._blockio is not built ({_error})")
-        self._e = _native.Engine(backend, int(depth))
+        self._e = _native.Engine(backend, int(depth), int(threads))
         self._arena = _Arena()
         self._lock = threading.Lock()
         self._users = 0
@@ -90,8 +92,18 @@ class BlockIO:
 
     @property
     def depth(self) -> int:
-        """Block files in flight per calling thread (io_uring), or the pool's workers (threads)."""
+        """Block files in flight per thread (io_uring: the caller and each helper), or the pool's workers (threads)."""
         return self._e.depth
+
+    @property
+    def threads(self) -> int:
+        """Threads that share one batch (io_uring: the caller and its helpers; the pool: 1)."""
+        return self._e.threads
+
+    @property
+    def helped(self) -> int:
+        """Blocks the helper threads took from callers' batches (io_uring with ``threads`` > 1)."""
+        return self._e.helped
 
     @property
     def reason(self) -> str:

@@ -282,6 +282,14 @@ class NvmeTier(LocalTier):
             return [self.write(e, s) for e, s in zip(entries, srcs)]
         return engine.write(self, entries, srcs)
 
+    @property
+    def spreads(self) -> bool:
+        """Does one ``write_many``/``read_many`` call spread its batch over threads (the io_uring
+        engine with helpers, raw blocks)? Then the mover makes one call a batch, not one per I/O
+        thread (:mod:`kvstore.store.moves`)."""
+        e = self.engine
+        return e is not None and e.threads > 1 and self.codec is None and not failpoints.active
+
     def read_many(self, entries, outs) -> list[bool]:
         """:meth:`read` for each, through the engine when it is on (what it does not find whole
         and good goes through :meth:`read`, which decides)."""
@@ -708,7 +716,7 @@ THREADS_DEPTH = 8  # the engine's thread pool (no io_uring): its workers, shared
 
 
 def auto_depth(file_bytes: int, io_threads: int) -> int:
-    """The engine's depth per I/O thread (each moves a part of a batch on its own ring) for about
+    """The engine's depth per I/O thread (each moves blocks of a batch on its own ring) for about
     ``IN_FLIGHT_BYTES`` in flight in all, between 2 and 8. A device streams as fast with 16 MiB in
     flight as with more; past that, requests only wait longer, complete in a bunch, and leave their
     checksums for the end of the call.
@@ -738,7 +746,7 @@ def _engine(kind: str, depth: int | str, file_bytes: int, io_threads: int):
         return None
     threads = THREADS_DEPTH if depth == "auto" else depth
     try:
-        bio = blockio.BlockIO(kind, auto_depth(file_bytes, io_threads) if depth == "auto" else depth)
+        bio = blockio.BlockIO(kind, auto_depth(file_bytes, io_threads) if depth == "auto" else depth, io_threads)
     except RuntimeError as e:  # io_uring asked for and refused here: its thread pool instead
         log.warning("kvstore nvme: %s; the engine's thread pool runs instead", e)
         return blockio.BlockIO("threads", threads)
