@@ -598,3 +598,23 @@ def test_a_tier_whose_engine_spreads_gets_one_call_a_batch(tmp_path, monkeypatch
         assert sorted(n for op, n in calls if op == "write_many") == want, (engine, codec, calls)
         assert sorted(n for op, n in calls if op == "read_many") == want, (engine, codec, calls)
         s.close()
+
+
+def test_a_load_without_buffers_reads_into_aligned_ones_through_the_engine(tmp_path):
+    """No DRAM slot and no caller buffer: the store's private buffers are page aligned and padded,
+    so the engine reads every block (an unaligned np.empty row took the tier's bounce buffer, one
+    block at a time); each view is the block, right."""
+    s = _store(tmp_path, "auto")  # NVMe only
+    ks = keys(40)
+    mm, src = rows(40)
+    assert s.put(ks, src) == 40
+    h = s.begin_load(ks)
+    try:
+        assert h.num_blocks == 40
+        for i in range(40):
+            assert h.views[i].nbytes == BLOCK and np.array_equal(h.views[i], src[i][:BLOCK])
+    finally:
+        s.end_load(h)
+    e = s.nvme.engine
+    assert e.stats["engine_reads"] == 40 and e.stats["tier_reads"] == 0
+    s.close()

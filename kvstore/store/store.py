@@ -39,10 +39,19 @@ from kvstore.store.metrics import StoreMetrics
 from kvstore.store.moves import Moves
 from kvstore.tiers import TierSet
 from kvstore.tiers.base import Tier
+from kvstore.tiers.dram.pool import PAGE, alloc_aligned
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KVStore", "PrefixMatch", "StoreHandle", "LoadHandle"]
+
+
+def _scratch(n: int, block_bytes: int) -> np.ndarray:
+    """``n`` rows of ``block_bytes`` rounded up to whole pages, page aligned, in one mapping."""
+    if n == 0:
+        return np.empty((0, block_bytes), np.uint8)
+    row = -(-block_bytes // PAGE) * PAGE
+    return alloc_aligned(n * row, prefault=False)[1].reshape(n, row)
 
 
 class KVStore:
@@ -297,8 +306,12 @@ class KVStore:
             raise
         self.moves.run(plan)
         top = self.chain.top
-        dsts = [top.slot_view(de) if de is not None else outs[i] if outs is not None and i < len(outs)
-                else np.empty(self.block_bytes, np.uint8) for i, de in zip(idx, up)]
+        mine = [de is None and (outs is None or i >= len(outs)) for i, de in zip(idx, up)]
+        # private buffers: page aligned and padded, so a file tier reads into them at depth (its
+        # engine takes only such buffers; np.empty's went one by one through the tier's bounce buffer)
+        spare = iter(_scratch(sum(mine), self.block_bytes))
+        dsts = [top.slot_view(de) if de is not None else next(spare) if m else outs[i]
+                for i, de, m in zip(idx, up, mine)]
         try:
             oks = self.moves.read(t, src, dsts)
         except BaseException:
