@@ -34,8 +34,11 @@ struct Done {  // a completion: whose, and what it returned
     long res;
 };
 
+enum class Ring { kept, broken, gone };  // how a ring came out of a batch: back to the pool, to close, closed
+
 struct Batch {  // a batch helpers may join: its shared cursor, and who is in it (the engine's lock)
-    std::function<bool(io_uring*, size_t&)> work;  // run blocks off the cursor on a ring (counts them); true: it broke
+    // runs blocks off the cursor on a ring (nullptr: none to be had, depth 1), counting them
+    std::function<Ring(io_uring*, size_t&)> work;
     const std::atomic<size_t>* next;
     size_t n;
     int workers = 0;  // helper threads inside
@@ -126,35 +129,43 @@ public:
 
 private:
     // A batch: posted for the helpers, then run on this thread's own ring off the shared cursor;
-    // returns once every block is done (helpers still in it are waited for: the jobs are ours).
+    // returns (or unwinds) only once no helper is in it: the jobs and closures are this frame's.
     template <class Prep, class After, class Finish, class Sync>
     void run(size_t n, Prep prep, After after, Finish finish, Sync sync) {
         if (n == 0) return;
         std::atomic<size_t> next{0};
-        auto work = [&](io_uring* r, size_t& taken) -> bool { return drain(r, next, n, taken, prep, after, finish, sync); };
+        auto work = [&](io_uring* r, size_t& taken) -> Ring {
+            if (r) return drain(r, next, n, taken, prep, after, finish, sync);
+            for (size_t i; (i = next.fetch_add(1)) < n; ++taken) sync(i, 0);  // no ring: depth 1
+            return Ring::gone;
+        };
         Batch b{work, &next, n};
+        struct Leave {  // the batch leaves the queue, helpers still in it are waited for
+            Uring& u;
+            Batch& b;
+            bool shared;
+            ~Leave() {
+                std::unique_lock<std::mutex> g(u.m_);
+                --u.busy_;
+                if (shared) {
+                    u.q_.erase(std::find(u.q_.begin(), u.q_.end(), &b));
+                    u.left_.wait(g, [&] { return b.workers == 0; });
+                }
+                g.unlock();
+                u.wake_.notify_all();  // a ring came free: helpers may join another batch
+            }
+        };
         const bool shared = !helpers_.empty() && n > 1;
         {
             std::lock_guard<std::mutex> g(m_);
             ++busy_;  // this thread's ring (a caller always runs its own batch)
             if (shared) q_.push_back(&b);
         }
+        Leave leave{*this, b, shared};
         if (shared) wake_.notify_all();
-        io_uring* r = take();
         size_t mine = 0;
-        if (r) {
-            give(r, work(r, mine));
-        } else {  // no ring to be had now: this thread runs blocks at depth 1
-            for (size_t i; (i = next.fetch_add(1)) < n;) sync(i, 0);
-        }
-        std::unique_lock<std::mutex> g(m_);
-        --busy_;
-        if (shared) {
-            q_.erase(std::find(q_.begin(), q_.end(), &b));
-            left_.wait(g, [&] { return b.workers == 0; });  // helpers still finishing blocks of this batch
-        }
-        g.unlock();
-        wake_.notify_all();  // a ring came free: helpers may join another batch
+        io_uring* r = take();
+        settle(r, work(r, mine));
     }
 
     void help() {
@@ -167,7 +178,8 @@ private:
             ++busy_;
             g.unlock();
             size_t taken = 0;
-            if (io_uring* r = take()) give(r, b->work(r, taken));
+            io_uring* r = take();  // none to be had: this helper runs blocks at depth 1 (never spins)
+            settle(r, b->work(r, taken));
             helped_.fetch_add(taken, std::memory_order_relaxed);
             g.lock();
             --busy_;
@@ -185,9 +197,9 @@ private:
     // Blocks off the shared cursor on ring r, up to depth_ in flight, until the cursor runs dry and
     // this thread's blocks are done. prep(i, sqe): open block i and fill its SQE (false: the block
     // already ended); after(job): CPU work once it is submitted; finish(job, res): its completion;
-    // sync(i, err): run block i without the ring (err != 0: fail it with err). True: r is broken.
+    // sync(i, err): run block i without the ring (err != 0: fail it with err).
     template <class Prep, class After, class Finish, class Sync>
-    bool drain(io_uring* r, std::atomic<size_t>& next, size_t n, size_t& taken, Prep& prep, After& after,
+    Ring drain(io_uring* r, std::atomic<size_t>& next, size_t n, size_t& taken, Prep& prep, After& after,
                Finish& finish, Sync& sync) {
         size_t inflight = 0;
         bool broken = false;
@@ -234,8 +246,10 @@ private:
             while (w == -EINTR || w == -EAGAIN || w == -ETIME);
             if (w < 0) {  // never seen: fail what is in flight; closing the ring cancels its I/O
                 for (void* job : flying) finish(job, long(w));
-                for (size_t i; (i = next.fetch_add(1)) < n;) sync(i, 0);
-                return true;
+                io_uring_queue_exit(r);
+                delete r;
+                for (size_t i; (i = next.fetch_add(1)) < n; ++taken) sync(i, 0);
+                return Ring::gone;
             }
             ready.clear();
             unsigned head, seen = 0;
@@ -254,7 +268,7 @@ private:
             }
             while (inflight < size_t(depth_) && more()) fill_one();
         }
-        return broken;
+        return broken ? Ring::broken : Ring::kept;
     }
 
     io_uring* take() {
@@ -274,8 +288,9 @@ private:
         return r;
     }
 
-    void give(io_uring* r, bool broken) {
-        if (broken) {
+    void settle(io_uring* r, Ring how) {  // a ring after a batch: back to the pool, or closed
+        if (!r || how == Ring::gone) return;
+        if (how == Ring::broken) {
             io_uring_queue_exit(r);
             delete r;
             return;
