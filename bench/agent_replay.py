@@ -129,6 +129,7 @@ def replay(requests: Sequence[wl.Request], store: Mapping, *, block_tokens: int,
             if advance is not None:
                 advance()
         wall = time.perf_counter() - wall
+        s.flush()  # background moves still in flight (demotions of the last evictions) counted too
         mv = s.metrics.value
         metrics = {
             "hit_tokens": {t: mv("kvstore_lookup_hit_tokens_total", tier=t) for t in ("dram", "nvme")},
