@@ -205,6 +205,32 @@ def test_cuda_many_blocks_and_modes_agree(gen):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("ctas", [1, 3, 32])
+def test_a_capped_grid_copies_every_block(ctas, gen):
+    """``ctas`` caps the kernel's grid (a gather beside the engine's kernels takes fewer SMs):
+    with 1, 3 or 32 thread blocks for 200 blocks of 2 KiB runs, every byte still moves, both ways,
+    on a side stream."""
+    lay = KVLayout.flash_attn(300, 4, 16, 8, 64, torch.bfloat16)
+    kv = make_cache(lay, torch.bfloat16, gen)
+    cp = kvcopy.KVCopier(kv, lay)
+    ids = torch.randperm(300, generator=gen)[:200].numpy()
+    side = torch.cuda.Stream()
+    dst = torch.full((200, lay.block_bytes), 0x3C, dtype=torch.uint8).pin_memory()
+    cp.gather(ids, dst, mode="kernel", stream=side, ctas=ctas).synchronize()
+    expect = torch.empty_like(dst)
+    kvcopy.gather(to_cpu(kv), lay, ids, expect)
+    assert torch.equal(dst, expect)
+    src = torch.randint(0, 256, dst.shape, dtype=torch.uint8, generator=gen).pin_memory()
+    cp.scatter(src, ids, mode="kernel", stream=side, ctas=ctas).synchronize()
+    back = torch.empty_like(src)
+    kvcopy.gather(to_cpu(kv), lay, ids, back)
+    assert torch.equal(back, src)
+    with pytest.raises(ValueError, match="ctas"):
+        cp.gather(ids, dst, ctas=0)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_cuda_rejects_bad_ids_and_devices(gen):
     lay, kv = _cuda_case(gen)
     dst = torch.zeros(2, lay.block_bytes, dtype=torch.uint8).pin_memory()
@@ -273,3 +299,17 @@ def test_gather_with_repeated_and_unordered_ids(name, device, gen):
             ev.synchronize()
         assert torch.equal(dst, expect), f"{name}/{device}/{mode}: a repeated id gathered wrong bytes"
     assert torch.equal(expect[0], expect[2]) and torch.equal(expect[1], expect[5])
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "16"])
+def test_a_bad_grid_cap_is_refused_on_every_device(bad, gen):
+    """``ctas`` is checked before the copy, also where it means nothing (a CPU cache)."""
+    lay = KVLayout.flash_attn(8, 2, 16, 2, 64, torch.float16)
+    kv = make_cache(lay, torch.float16, gen, device="cpu")
+    dst = torch.zeros(2, lay.block_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="ctas must be a positive int or None"):
+        kvcopy.KVCopier(kv, lay).gather([0, 1], dst, ctas=bad)
+    kvcopy.KVCopier(kv, lay).gather([0, 1], dst, ctas=4)  # ignored on a CPU cache
+    expect = torch.empty_like(dst)
+    kvcopy.gather(kv, lay, [0, 1], expect)
+    assert torch.equal(dst, expect)

@@ -45,7 +45,7 @@ class Event {
 
 Event* copy_blocks(bool to_store, U64 layer_ptrs, const Geom& geom, const Strides4& paged,
                    const Strides4& store, I64 block_ids, U64 block_ptrs, int mode,
-                   uintptr_t stream, int device) {
+                   uintptr_t stream, int device, int max_ctas) {
     kvcopy_cuda::Request r;
     std::tie(r.g.num_layers, r.g.num_kv, r.g.num_heads, r.g.block_size, r.g.row_bytes,
              r.g.num_blocks) = geom;
@@ -56,6 +56,7 @@ Event* copy_blocks(bool to_store, U64 layer_ptrs, const Geom& geom, const Stride
     if (block_ids.shape(0) != block_ptrs.shape(0))
         throw nb::value_error("kvcopy: block_ids and store blocks differ in length");
     if (mode < 0 || mode > 2) throw nb::value_error("kvcopy: mode must be 0 (auto), 1 (kernel) or 2 (dma)");
+    if (max_ctas < 0) throw nb::value_error("kvcopy: max_ctas must be >= 0 (0: the default grid)");
     r.layer_ptrs = layer_ptrs.data();
     r.ids = block_ids.data();
     r.blocks = block_ptrs.data();
@@ -64,6 +65,7 @@ Event* copy_blocks(bool to_store, U64 layer_ptrs, const Geom& geom, const Stride
     r.mode = mode;
     r.stream = stream;
     r.device = device;
+    r.max_ctas = max_ctas;
     int used = 0;
     void* ev;
     {
@@ -97,7 +99,7 @@ NB_MODULE(_kvcopy_cuda, m) {
     m.def("copy_blocks", &copy_blocks, nb::arg("to_store"), nb::arg("layer_ptrs"),
           nb::arg("geom"), nb::arg("paged_strides"), nb::arg("store_strides"),
           nb::arg("block_ids"), nb::arg("block_ptrs"), nb::arg("mode") = 0,
-          nb::arg("stream") = 0, nb::arg("device") = 0, nb::rv_policy::take_ownership,
+          nb::arg("stream") = 0, nb::arg("device") = 0, nb::arg("max_ctas") = 0, nb::rv_policy::take_ownership,
           "Enqueue a gather (to_store=True) or scatter on `stream`; returns an Event.");
     m.def("device_count", &kvcopy_cuda::device_count);
     m.def("runtime_info", &kvcopy_cuda::runtime_info);

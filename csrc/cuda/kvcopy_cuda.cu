@@ -162,9 +162,9 @@ uint64_t device_view(uint64_t addr, int device, const char* what) {
 }
 
 template <typename V>
-void launch_t(const KParams& kp, int device, cudaStream_t stream) {
+void launch_t(const KParams& kp, int device, cudaStream_t stream, int max_ctas) {
     bool long_kernel = false;
-    const int blocks = grid_blocks(kp, (int)sizeof(V), sm_count(device), &long_kernel);
+    const int blocks = grid_blocks(kp, (int)sizeof(V), sm_count(device), &long_kernel, max_ctas);
     if (long_kernel)
         kv_copy_long<V, kUnroll><<<blocks, kThreads, 0, stream>>>(kp);
     else
@@ -194,11 +194,11 @@ void run_kernel(const Request& r, const Plan& plan, const std::vector<uint64_t>&
     kp.blocks = d + L + n;
 
     switch (vec) {
-        case 16: launch_t<uint4>(kp, r.device, stream); break;
-        case 8: launch_t<uint2>(kp, r.device, stream); break;
-        case 4: launch_t<unsigned int>(kp, r.device, stream); break;
-        case 2: launch_t<unsigned short>(kp, r.device, stream); break;
-        default: launch_t<unsigned char>(kp, r.device, stream); break;
+        case 16: launch_t<uint4>(kp, r.device, stream, r.max_ctas); break;
+        case 8: launch_t<uint2>(kp, r.device, stream, r.max_ctas); break;
+        case 4: launch_t<unsigned int>(kp, r.device, stream, r.max_ctas); break;
+        case 2: launch_t<unsigned short>(kp, r.device, stream, r.max_ctas); break;
+        default: launch_t<unsigned char>(kp, r.device, stream, r.max_ctas); break;
     }
     check(cudaEventRecord(slot->done, stream), "cudaEventRecord(slot)");
 }

@@ -22,6 +22,8 @@ struct Request {
     int mode = kAuto;
     uintptr_t stream = 0;                  // cudaStream_t as an integer
     int device = 0;                        // device of the paged cache
+    int max_ctas = 0;                      // the kernel's grid at most (0: 8 per SM); a copy on a
+                                           // side stream takes fewer SMs from the engine's kernels
 };
 
 // Enqueues the copy on req.stream and returns a cudaEvent_t (as void*) recorded

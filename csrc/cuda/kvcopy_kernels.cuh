@@ -152,8 +152,8 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
 // Grid size and kernel choice for params built with vector width `vec`.
-inline int grid_blocks(const KParams& kp, int vec, int sm_count, bool* long_kernel) {
-    const int64_t cap = (int64_t)std::max(sm_count, 1) * 8;
+inline int grid_blocks(const KParams& kp, int vec, int sm_count, bool* long_kernel, int max_ctas = 0) {
+    const int64_t cap = max_ctas > 0 ? (int64_t)max_ctas : (int64_t)std::max(sm_count, 1) * 8;
     const int64_t vpr = kp.run / vec;
     *long_kernel = vpr >= 32;
     int64_t want = *long_kernel ? (kp.total_items + (kThreads / 32) - 1) / (kThreads / 32)

@@ -220,9 +220,11 @@ class KVCopier:
             )
         return ids, b
 
-    def _run(self, to_store: bool, ids, b: _Blocks, *, num_threads, mode, stream, nt):
+    def _run(self, to_store: bool, ids, b: _Blocks, *, num_threads, mode, stream, nt, ctas=None):
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+        if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
+            raise ValueError(f"ctas must be a positive int or None, got {ctas!r}")
         if ids.size == 0:
             return None
         if self.device == "cpu":
@@ -248,7 +250,7 @@ class KVCopier:
             return self._reference(to_store, ids, b)
         ev = cu.copy_blocks(
             to_store, self.layer_ptrs, self._geom, self._paged, self._store, ids, b.ptrs,
-            _MODES[mode], _stream_handle(stream, self.device_index), self.device_index,
+            _MODES[mode], _stream_handle(stream, self.device_index), self.device_index, int(ctas or 0),
         )  # fmt: skip
         return CopyEvent(ev, (self.kv_caches, b.objs, ids))
 
@@ -261,19 +263,21 @@ class KVCopier:
 
     def gather(
         self, block_ids: Sequence[int], dst: Any, *, num_threads: int | None = None,
-        mode: str = "auto", stream: Any = None, nt: bool | None = None,
+        mode: str = "auto", stream: Any = None, nt: bool | None = None, ctas: int | None = None,
     ) -> CopyEvent | None:  # fmt: skip
-        """dst[i] <- cache block block_ids[i] (all layers, K and V) in the store format."""
+        """dst[i] <- cache block block_ids[i] (all layers, K and V) in the store format.
+        ``ctas`` (CUDA, kernel mode): the most thread blocks the copy runs (None: 8 per SM); a copy
+        beside the engine's kernels takes fewer SMs from them."""
         ids, b = self._prepare(block_ids, dst, write=True, what="dst")
-        return self._run(True, ids, b, num_threads=num_threads, mode=mode, stream=stream, nt=nt)
+        return self._run(True, ids, b, num_threads=num_threads, mode=mode, stream=stream, nt=nt, ctas=ctas)
 
     def scatter(
         self, src: Any, block_ids: Sequence[int], *, num_threads: int | None = None,
-        mode: str = "auto", stream: Any = None, nt: bool | None = None,
+        mode: str = "auto", stream: Any = None, nt: bool | None = None, ctas: int | None = None,
     ) -> CopyEvent | None:  # fmt: skip
-        """cache block block_ids[i] <- src[i] (all layers, K and V)."""
+        """cache block block_ids[i] <- src[i] (all layers, K and V). ``ctas``: as in :meth:`gather`."""
         ids, b = self._prepare(block_ids, src, write=False, what="src")
-        return self._run(False, ids, b, num_threads=num_threads, mode=mode, stream=stream, nt=nt)
+        return self._run(False, ids, b, num_threads=num_threads, mode=mode, stream=stream, nt=nt, ctas=ctas)
 
     def plan_info(self) -> dict:
         """How the native CPU module decomposes this layout's copy (for tests/bench)."""

@@ -42,6 +42,12 @@ from kvstore.offload.shared import SharedStore
 log = logging.getLogger(__name__)
 
 GATHER_CHUNK = 64  # blocks per gather call of an async store (a sync load waits at most one)
+# The grid of an async store's gather, which runs on a side stream beside the forward pass: the
+# copy is bound by the PCIe link, and its default grid (8 blocks per SM) takes SMs from the engine's
+# kernels. On an H200 (bench/gpu_tax.py, 2 MiB blocks, 2,048-token prefills, 8 rounds): the engine
+# kept 0.925 of its speed (median; worst round 0.892) with the default grid, 0.947 (0.929) with 16
+# blocks, 0.928 (0.814) with 64 (bench/results/gpu_tax_h200.md).
+SIDE_GATHER_CTAS = 16
 # An engine with nothing to run but requests waiting for their loads steps again at once, in a
 # loop that holds the GIL and starves the load thread (the same effect measured on the first
 # design's prefetch: 290 ms instead of 6 ms for 31 NVMe blocks on 2 cores). Such an idle step
@@ -68,6 +74,7 @@ class Mover:
         self._streams: dict[str, object] = {}
         self._inline_loaded: set[str] = set()  # async_loads planned but loaded inline (no load thread)
         self._inline_failed: set[str] = set()  # of those, all-or-nothing loads that failed
+        self.save_ctas: int | None = SIDE_GATHER_CTAS  # a side-stream gather's grid (KVCopier.gather ctas)
 
     def register(self, kv_caches: Any, layout: kvcopy.KVLayout) -> None:
         if layout.block_bytes != self.store.block_bytes:
@@ -322,7 +329,8 @@ class Mover:
                         v[copier.block_bytes:] = 0
                 for i in range(0, len(g_ids), GATHER_CHUNK):
                     failpoints.fire("mover.gather")
-                    ev = copier.gather(g_ids[i:i + GATHER_CHUNK], slots[i:i + GATHER_CHUNK], stream=stream)
+                    ev = copier.gather(g_ids[i:i + GATHER_CHUNK], slots[i:i + GATHER_CHUNK], stream=stream,
+                                       ctas=self.save_ctas if stream is not None else None)
                     if ev is not None:
                         ev.synchronize()  # a copy error is raised here, and the store is abandoned
         except Exception as e:
