@@ -7,8 +7,11 @@ machines do not have. This is its stand-in, with the parts of the connector that
 worker, unchanged: an "engine" runs prefill steps of a Llama-3-8B-shaped model (per layer: the QKV,
 output, gate+up and down matmuls of ``--tokens`` tokens in bf16, its K and V written into a paged
 FlashAttention-layout cache, and at the step's end the host reads a value back, as sampling does),
-every step a new prompt. After each step the connector's ``Mover`` saves the step's blocks into a
-``KVStore`` (pinned DRAM, demoted to NVMe files in the background), as ``wait_for_save`` does:
+every step a new prompt. As in vLLM's model runner, once a step's forward pass is queued (before
+the host read) the connector's ``Mover`` saves the step's blocks into a ``KVStore`` (pinned DRAM,
+demoted to NVMe files in the background), as ``wait_for_save`` does (``--save-after-sync``: after
+the host read instead, the order of the first runs, which leaves the GPU idle while the save's host
+part runs):
 ``sync`` gathers and commits on the engine's thread; ``async`` enqueues the gather on a side stream
 that waits for the forward pass's event, and a store thread commits it; ``asyncN`` caps that
 gather's grid at N thread blocks (``async0``: the kernel's default, 8 per SM; plain ``async``: the
@@ -59,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--designs", default="sync,async",
                    help="sync, async (the Mover's default grid for side-stream gathers: "
                         "kvstore.offload.mover.SIDE_GATHER_CTAS), asyncN (that grid at most N thread blocks)")
+    p.add_argument("--save-after-sync", action="store_true",
+                   help="save after the step's host read (the order of the first H200 runs, which exposes "
+                        "the save's host time) instead of vLLM's: wait_for_save once the forward pass is "
+                        "queued, then sampling")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="float32 for a smoke run on a CPU (torch's bf16 matmuls there are ~1000x slower)")
     return p
@@ -91,8 +98,8 @@ class Engine:
         return 2.0 * a.tokens * a.layers * (a.hidden * (a.hidden + 2 * self.kv) + a.hidden * a.hidden
                                             + a.hidden * 2 * a.ffn + a.ffn * a.hidden)
 
-    def step(self, i: int) -> list[int]:
-        """Prompt ``i`` of a round into blocks ``[i * per_step, (i + 1) * per_step)``; returns them."""
+    def launch(self, i: int) -> list[int]:
+        """Queue prompt ``i`` of a round, into blocks ``[i * per_step, (i + 1) * per_step)``; returns them."""
         a, x = self.a, self.x
         r0 = i * self.per_step
         shape = (self.per_step, a.block_tokens, a.kv_heads, a.head_size)
@@ -103,8 +110,11 @@ class Engine:
             h = x @ self.wo
             up = h @ self.wup
             h = up[:, :a.ffn] @ self.wdown
-        float(h[-1, :8].float().sum())  # the host waits for the step, as sampling does
+        self.h = h
         return list(range(r0, r0 + self.per_step))
+
+    def finish(self) -> None:
+        float(self.h[-1, :8].float().sum())  # the host waits for the step, as sampling does
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,16 +149,22 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i in range(a.steps):
-            ids = eng.step(i)
-            if m is not None:
+            keys = None
+            if m is not None:  # the scheduler side names the prompt's blocks before the step runs
                 serial[0] += 1
                 req = f"r{serial[0]}"
                 toks = list(range(serial[0] * a.tokens, (serial[0] + 1) * a.tokens))  # a prompt never seen
                 keys = chain_keys(m.store.root, toks, a.block_tokens)
+            ids = eng.launch(i)
+            if a.save_after_sync:
+                eng.finish()
+            if m is not None:  # wait_for_save: vLLM calls it once the forward pass is queued
                 m.save(StepPlan(stores=[StorePlan(req, ids, keys)], step=serial[0]))
                 reqs.add(req)
-                if m.jobs is not None:  # vLLM asks every step; a request's blocks are freed once stored
-                    m.get_finished(set())
+            if not a.save_after_sync:
+                eng.finish()  # sampling
+            if m is not None and m.jobs is not None:  # vLLM asks every step; blocks are freed once stored
+                m.get_finished(set())
         if m is not None and m.jobs is not None:
             assert m.jobs.wait_idle(600), "the store queue did not drain"
             m.get_finished(reqs)
