@@ -9,7 +9,6 @@ model, kvstore's hook times (kvstore.offload.hooktime) per engine step with vLLM
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 
@@ -18,10 +17,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.bench.ports import free_port as _port  # noqa: E402
 
 
 def _hooks(reg, name: str) -> dict:

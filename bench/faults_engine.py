@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import sys
 import time
 import urllib.request
@@ -41,6 +40,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from kvstore.bench import engine  # noqa: E402
+from kvstore.bench.ports import free_port  # noqa: E402
 from kvstore.bench.fault_files import block_files, damage, poisoned  # noqa: E402
 
 BS = 32
@@ -113,12 +113,6 @@ class Engine(engine.Engine):
                 except ValueError:
                     pass
         return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def store_identity(m: dict) -> tuple[bytes, str] | None:

@@ -8,8 +8,10 @@
 #      (`kvstore bench tiers --tiers nvme`, the issue's block sizes, 1 and 4 callers);
 #   4. the O_DIRECT read limit with a hashing thread beside it (nvme_profile --cpu-beside);
 #   5. step 3 again on 2 cores (taskset), as on the 2-core CI VM, if time is left.
-# SKIP_TESTS=1, SKIP_TAX=1, SKIP_TIERS=1 (steps 3-5), SKIP_PROFILE=1 leave steps out; TAX_ARGS
-# (default --rounds 10) go to gpu_tax.py, which runs when TAX_MIN_S (200) seconds are left. Each step stops by a deadline (DEADLINE_S, default 540 s from the start); at most 8 files in OUT.
+# SKIP_TESTS=1, SKIP_TAX=1, SKIP_TIERS=1 (steps 3-5), SKIP_PROFILE=1 leave steps out. TAX_ARGS
+# (default --rounds 10 --designs sync,async,async0: the grid cap against the full grid) go to
+# gpu_tax.py, which runs when TAX_MIN_S (200) seconds are left. Each step stops by a deadline
+# (DEADLINE_S, default 540 s from the start); at most 8 files in OUT.
 #
 #   bash bench/gpu_box.sh OUT_DIR
 #
@@ -75,9 +77,9 @@ KV=("$PY" -m kvstore.bench.tiers)
 
 # ------------------------------------------------------------------ 2. the no-reuse tax on the GPU
 if [ "${SKIP_TAX:-0}" != 1 ] && [ "$(left)" -gt "${TAX_MIN_S:-200}" ]; then
-  log "no-reuse tax (bench/gpu_tax.py ${TAX_ARGS:---rounds 10})"
+  log "no-reuse tax (bench/gpu_tax.py ${TAX_ARGS:---rounds 10 --designs sync,async,async0})"
   # shellcheck disable=SC2086
-  timeout $(( $(left) - ${TAX_MIN_S:-200} + 50 )) "$PY" -m kvstore.bench.gpu_tax --dir "$BENCH" --out "$OUT" ${TAX_ARGS:---rounds 10} >>"$LOG" 2>&1
+  timeout $(( $(left) - ${TAX_MIN_S:-200} + 50 )) "$PY" -m kvstore.bench.gpu_tax --dir "$BENCH" --out "$OUT" ${TAX_ARGS:---rounds 10 --designs sync,async,async0} >>"$LOG" 2>&1
   log "gpu_tax rc=$?"
   rm -f "$OUT/gpu_tax.md"; rm -rf "$BENCH/gpu_tax"
 fi

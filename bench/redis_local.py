@@ -16,7 +16,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,10 +33,7 @@ def available() -> bool:
     return redis_server_path() is not None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.bench.ports import free_port  # noqa: E402,F401 (the tests import it from here)
 
 
 def die_with_parent() -> None:  # in the child before exec: no orphan server if its parent is killed

@@ -159,14 +159,6 @@ class _Events:
         self.ctx.term()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))  # as the publisher binds (tcp://*:PORT)
-        return s.getsockname()[1]
-
-
 def _workload(a) -> tuple[list[int], list[list[int]], list[str]]:
     rng = np.random.default_rng(a.seed)
     system = [int(x) for x in rng.integers(4, 500, size=a.system_tokens)]
@@ -192,7 +184,9 @@ def _run_one(a, model: str, policy: str, redis_url: str | None) -> dict:
     from kvstore.bench.router import Router
 
     ctx = mp.get_context("spawn")
-    ports = [_free_port() for _ in range(a.engines)]
+    from kvstore.bench.ports import free_ports
+
+    ports = free_ports(a.engines, host="0.0.0.0")  # as the publisher binds (tcp://*:PORT)
     tmp = tempfile.mkdtemp(prefix="kvstore-route-")
     inqs = [ctx.Queue() for _ in range(a.engines)]
     outq = ctx.Queue()

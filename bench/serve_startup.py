@@ -28,7 +28,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,10 +55,7 @@ MILESTONES = (
 INIT_RE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.bench.ports import free_port  # noqa: E402
 
 
 def launch(model: str, *, connector_cfg: dict | None, server_args: list[str], log_path: str,

@@ -94,9 +94,9 @@ def tokens(tag: str, n: int) -> list[int]:
 
 
 def start_redis(folder: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kvstore.bench.ports import free_port
+
+    port = free_port()
     p = subprocess.Popen([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port), "--bind",
                           "127.0.0.1", "--dir", folder, "--save", "", "--appendonly", "no", "--logfile", "redis.log"],
                          stdout=subprocess.DEVNULL)

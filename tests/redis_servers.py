@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -48,25 +47,9 @@ def _require(tool: str) -> str:
     return path
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def _free_port(cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node one <= 55535 whose bus port (+10000) is free too."""
-    if not cluster:
-        return free_port()
-    rng = secrets.SystemRandom()
-    for _ in range(1000):
-        port = rng.randrange(20000, 45000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
+    """A free loopback port; for a cluster node one whose bus port (+10000) is free too."""
+    return free_port(span=10000 if cluster else 0)
 
 
 class Server:

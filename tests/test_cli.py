@@ -7,13 +7,13 @@ every bad key; ``size`` is the sizing rule of thumb."""
 from __future__ import annotations
 
 import http.server
-import socket
 import subprocess
 import sys
 import threading
 
 import pytest
 
+from kvstore.bench.ports import free_port
 from kvstore.store.sizing import ModelShape, sizing_line
 from kvstore.config import load_config
 
@@ -33,11 +33,7 @@ def one_error(p: subprocess.CompletedProcess, command: str, code: int) -> str:
 
 
 def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now: a connect is refused
-    return port
+    return free_port()  # nothing listens there: a connect is refused
 
 
 def test_help_version_and_unknown_commands():

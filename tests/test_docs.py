@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -108,14 +107,9 @@ def test_docs_blocks_run(tmp_path, name, expect):
 
 
 def _free_ports(n: int) -> list[str]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [str(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    from kvstore.bench.ports import free_ports
+
+    return [str(p) for p in free_ports(n)]
 
 
 @pytest.mark.vllm

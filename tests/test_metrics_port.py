@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from kvstore.bench.ports import free_port
 from kvstore.store import machine
 from kvstore.store.metrics import StoreMetrics
 
@@ -23,11 +24,7 @@ time.sleep(60)
 
 
 def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("0.0.0.0", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return free_port(host="0.0.0.0")
 
 
 def test_a_port_another_kvstore_process_exports_is_shared_with_a_warning(caplog):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -52,16 +51,7 @@ DRAIN_S = 30  # --shutdown-timeout of run 1
 HEALTH_TIMEOUT_S = float(os.environ.get("KVSTORE_TEST_SERVE_TIMEOUT", "240"))  # launch -> /health 200
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (held open together while they are picked)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from kvstore.bench.ports import free_ports  # noqa: E402
 
 
 class Server:

@@ -10,7 +10,6 @@ found. Every kvstore event names a block by vLLM's own hash: the one vLLM's GPU 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -31,10 +30,7 @@ BS = 32
 NVME_TTL = 6.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.bench.ports import free_port as _free_port  # noqa: E402
 
 
 class Subscriber:
