@@ -175,6 +175,8 @@ def test_all_pinned_means_no_room(make_tier):
     t.put([a, b], [B(a), B(b)])
     pins = t.acquire([a, b])
     assert t.put([K(2)], [B(K(2))]) == 0 and not t.contains(K(2))
+    res = t.reserve([K(2), K(3)])  # the index has no room: counted, as a full slab's is
+    assert list(res) == [None, None] and res.pinned == 2 and res.no_slot == 0
     t.release(pins)
     assert t.put([K(2)], [B(K(2))]) == 1
 

@@ -61,7 +61,7 @@ class Move:
 @dataclass(slots=True)
 class Plan:
     """What a chain call decided: the moves to run and what it counted, as (event, tier, blocks)
-    with event one of ``evicted``, ``expired``, ``no_slot``, ``not_admitted``."""
+    with event one of ``evicted``, ``expired``, ``no_slot``, ``pinned``, ``not_admitted``."""
 
     moves: list = field(default_factory=list)
     counts: list = field(default_factory=list)
@@ -175,6 +175,7 @@ class TierChain:
             raise
         t.attach(res)
         plan.count("no_slot", t.name, res.no_slot)
+        plan.count("pinned", t.name, res.pinned)
         adm = self.adm
         if adm.active and t in self._above_adm:
             with self.lock:

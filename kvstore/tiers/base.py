@@ -31,15 +31,18 @@ class Reservation(list):
     """What :meth:`Tier.begin_reserve` returns: a list of WRITING entries (None where the key is
     present, pending or there is no room) plus ``victims`` (entries that left the index, each
     still holding its medium until :meth:`Tier.free`) and, after :meth:`Tier.attach`,
-    ``no_slot`` (entries dropped for want of a free slot)."""
+    ``no_slot`` (entries dropped for want of a free slot); ``pinned``: entries never reserved, the
+    index having no room (every entry held by a write or a pin)."""
 
     victims: list[Entry]
     no_slot: int
+    pinned: int
 
     def __init__(self, entries=(), victims=None):
         super().__init__(entries)
         self.victims = victims if victims is not None else []
         self.no_slot = 0
+        self.pinned = 0
 
 
 class Tier(ABC):

@@ -60,8 +60,9 @@ class LocalTier(Tier):
 
     def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
         """Phase 1 of a write, index only: WRITING entries (pinned, no medium yet), None where
-        present, pending or no room; ``victims``: what left the index to make room, medium intact
-        (the caller moves it if it must, then :meth:`free`; then :meth:`attach`)."""
+        present, pending or no room (counted in ``pinned``); ``victims``: what left the index to
+        make room, medium intact (the caller moves it if it must, then :meth:`free`; then
+        :meth:`attach`)."""
         out = Reservation()
         evicted = out.victims
         with self.lock:
@@ -75,6 +76,8 @@ class LocalTier(Tier):
                 if old is None:
                     e, ev = self.index.reserve(k, self.entry_bytes, now, ttl)
                     evicted.extend(ev)
+                    if e is None:  # no room in the index: every entry held by a write or a pin
+                        out.pinned += 1
                 out.append(e)
         self._count_victims(evicted)
         return out

@@ -235,7 +235,7 @@ class Simulator:
                 self.evicted[tier] += n
             elif event == "expired":
                 self.expired[tier] += n
-            elif event == "no_slot":
+            elif event in ("no_slot", "pinned"):
                 self.skipped += n
             elif event == "not_admitted":
                 self.not_admitted += n
