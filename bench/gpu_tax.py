@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             "stored_blocks": st.value("kvstore_tier_written_bytes_total", tier="dram") / bb,
             "demoted_blocks": st.value("kvstore_demoted_blocks_total"),
             "skipped_no_slot": st.value("kvstore_tier_skipped_blocks_total", tier="dram", reason="no_slot"),
+            "skipped": {s.labels["reason"]: s.value for mf in st.registry.collect()
+                        if mf.name == "kvstore_tier_skipped_blocks" for s in mf.samples
+                        if s.name.endswith("_total") and s.labels.get("tier") == "dram"},
         })
     off_ms = statistics.median(times["off"]) * 1e3
     tflops = eng.flops() * a.steps / (off_ms / 1e3) / 1e12
