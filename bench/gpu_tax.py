@@ -136,9 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     movers, shareds = {}, {}
     for d in designs:
         shareds[d] = acquire_shared(f"gpu-tax/{d}", cfg, fp, bb, a.block_tokens)
-        m = movers[d] = Mover(shareds[d], async_saves=d.startswith("async"), async_loads=False)
-        if d[5:].isdigit():  # async0: the kernel's default grid, 8 blocks per SM
-            m.save_ctas = int(d[5:]) or None
+        grid = {"save_ctas": int(d[5:]) or None} if d[5:].isdigit() else {}  # async0: 8 blocks per SM
+        m = movers[d] = Mover(shareds[d], async_saves=d.startswith("async"), async_loads=False, **grid)
         m.register(eng.caches, eng.layout)
     serial = [0]
 
@@ -193,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
             "ms_median": statistics.median(times[d]) * 1e3,
             "stored_blocks": st.value("kvstore_tier_written_bytes_total", tier="dram") / bb,
             "demoted_blocks": st.value("kvstore_demoted_blocks_total"),
-            "skipped_no_slot": st.value("kvstore_tier_skipped_blocks_total", tier="dram", reason="no_slot"),
             "skipped": {s.labels["reason"]: s.value for mf in st.registry.collect()
                         if mf.name == "kvstore_tier_skipped_blocks" for s in mf.samples
                         if s.name.endswith("_total") and s.labels.get("tier") == "dram"},

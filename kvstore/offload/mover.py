@@ -46,7 +46,7 @@ GATHER_CHUNK = 64  # blocks per gather call of an async store (a sync load waits
 # copy is bound by the PCIe link, and its default grid (8 blocks per SM) takes SMs from the engine's
 # kernels. On an H200 (bench/gpu_tax.py, 2 MiB blocks, 2,048-token prefills, 8 rounds): the engine
 # kept 0.925 of its speed (median; worst round 0.892) with the default grid, 0.947 (0.929) with 16
-# blocks, 0.928 (0.814) with 64 (bench/results/gpu_tax_h200.md).
+# blocks, 0.928 (0.814) with 64, saving after the step's host read (bench/results/gpu_box_h200.md).
 SIDE_GATHER_CTAS = 16
 # An engine with nothing to run but requests waiting for their loads steps again at once, in a
 # loop that holds the GIL and starves the load thread (the same effect measured on the first
@@ -57,7 +57,7 @@ IDLE_LOAD_WAIT_S = 0.002
 
 class Mover:
     def __init__(self, shared: SharedStore, *, async_saves: bool = False, async_loads: bool = False,
-                 rank: int = 0):
+                 rank: int = 0, save_ctas: int | None = SIDE_GATHER_CTAS):
         self.shared = shared
         self.rank = rank  # tensor-parallel rank: which handle of a plan's per-rank tuple is ours
         self.store = shared.store
@@ -74,7 +74,7 @@ class Mover:
         self._streams: dict[str, object] = {}
         self._inline_loaded: set[str] = set()  # async_loads planned but loaded inline (no load thread)
         self._inline_failed: set[str] = set()  # of those, all-or-nothing loads that failed
-        self.save_ctas: int | None = SIDE_GATHER_CTAS  # a side-stream gather's grid (KVCopier.gather ctas)
+        self.save_ctas = save_ctas  # a side-stream gather's grid (KVCopier.gather ctas; None: 8 per SM)
 
     def register(self, kv_caches: Any, layout: kvcopy.KVLayout) -> None:
         if layout.block_bytes != self.store.block_bytes:
