@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from kvstore.bench import stores
-from kvstore.bench.limits import memcpy_rows_s, odirect_rows_s, odirect_seq_rows_gbps
+from kvstore.bench.limits import memcpy_rows_s, odirect_rows_s, odirect_seq_rows_gbps, settle
 from kvstore.bench.tiers_ops import (call_batch, cpu_s, fingerprint, nbytes_gb, not_measured, pct, put_then_get,
                                      run_op, timed_get)
 from kvstore.keys import chain_keys
@@ -96,6 +96,8 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
             lim["get_seq"].append(sr)
         for path in paths[r % len(paths):] + paths[: r % len(paths)]:
             run = runs[path]
+            if tier == "nvme":
+                settle()  # the files the previous phase removed are freed before this one starts
             try:
                 if path in NVME_PATHS:
                     res = _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r, NVME_PATHS[path])
