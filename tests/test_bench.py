@@ -574,3 +574,18 @@ def test_a_missing_dir_is_made_and_a_file_is_a_clear_error(tmp_path, capsys):
         with pytest.raises(SystemExit):
             harness.parser(mod.__name__).parse_args(["--dir", str(f)])
         assert f"argument --dir: {f}: not a folder" in capsys.readouterr().err
+
+
+def test_hash_cost_reads_a_stores_blocks_through_its_engine_both_ways(tmp_path):
+    """nvme_profile --hash-cost: the store's own files read back through its native engine, with the
+    checksum and without, each beside the same rounds' O_DIRECT limit; every byte read is checked."""
+    from kvstore.bench import nvme_profile
+    from kvstore.tiers.nvme import blockio
+
+    if not blockio.available():
+        pytest.skip(f"kvstore._blockio not built: {blockio.native_error()}")
+    r = nvme_profile.hash_cost(256 << 10, 8 << 20, str(tmp_path), io_threads=2, batch=8, repeats=3)
+    assert r["limit"] > 0 and r["engine"].endswith("2 threads")
+    for v in ("checksummed", "not checksummed"):
+        gbps, ratio = r[v]
+        assert gbps > 0 and ratio > 0
