@@ -589,3 +589,20 @@ def test_hash_cost_reads_a_stores_blocks_through_its_engine_both_ways(tmp_path):
     for v in ("checksummed", "not checksummed"):
         gbps, ratio = r[v]
         assert gbps > 0 and ratio > 0
+
+
+def test_the_restart_scan_time_indexes_every_file_it_wrote(tmp_path, monkeypatch):
+    """nvme_profile --scan: N block files written, a new tier's scan timed; every file indexed,
+    none dropped. --scan-cold drops the caches before each scan (recorded here, not done: the
+    machine's caches stay) and says whether it could."""
+    from kvstore.bench import nvme_profile
+
+    r = nvme_profile.scan_time(300, 4096, str(tmp_path / "warm"), "xattr", repeats=2)
+    assert r["files"] == 300 and r["indexed"] == 300 and r["dropped"] == 0 and len(r["seconds"]) == 2
+    assert r["cold"] is False
+    drops: list[int] = []
+    monkeypatch.setattr(nvme_profile, "drop_caches", lambda: drops.append(1) or True)
+    r = nvme_profile.scan_time(300, 4096, str(tmp_path / "cold"), "inline", repeats=3, cold=True)
+    assert r["indexed"] == 300 and r["cold"] is True and len(drops) == 3
+    monkeypatch.setattr(nvme_profile, "drop_caches", lambda: False)  # not root: warm scans, said so
+    assert nvme_profile.scan_time(10, 4096, str(tmp_path / "user"), "xattr", repeats=1, cold=True)["cold"] is False
