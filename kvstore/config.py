@@ -115,7 +115,7 @@ class RemoteConfig:
     ``url``: ``redis://host:port[/db]`` or ``rediss://`` (TLS; the server's certificate is checked
     against the system's trust store, or ``SSL_CERT_FILE``); with ``cluster: true`` one url or
     a list of seed nodes. Credentials only from the environment (``KVSTORE_REDIS_USERNAME``,
-    ``KVSTORE_REDIS_PASSWORD``), never here. ``ttl_s``: idle TTL (SET EX, refreshed by GETEX on a
+    ``KVSTORE_REDIS_PASSWORD``), never here. ``ttl_s``: idle TTL (SET PX, refreshed by PEXPIRE on a
     hit), so Redis's ``volatile-lru`` can evict under ``maxmemory``. ``write_mode``:
     write-through only (sharing needs a block there before DRAM evicts it). ``timeout_ms``: a
     slower answer is a miss."""

@@ -125,7 +125,7 @@ def test_store_over_tls_as_an_acl_user(tls_server, monkeypatch, tmp_path):
     monkeypatch.setenv("SSL_CERT_FILE", tls_server["ca"])
     with tls_server["client"]() as c:
         # docs/security.md's list: exactly what the tier sends (STRLEN at a lookup, GETRANGE + PEXPIRE at
-        # a load, PTTL without a TTL, SET, DEL of a bad value, SCAN for kvstore inspect)
+        # a load, SET, DEL of a bad value; SCAN and PTTL for kvstore inspect)
         c.execute_command("ACL", "SETUSER", "kvs-engine", "reset", "on", ">engine-pw-1", "~kvs:*", "+ping",
                           "+hello", "+strlen", "+getrange", "+pexpire", "+pttl", "+set", "+del", "+scan")
     monkeypatch.setenv("KVSTORE_REDIS_USERNAME", "kvs-engine")

@@ -22,6 +22,7 @@ USAGE = """usage: kvstore [--version] [--help] COMMAND [options]   (kvstore COMM
   bench e2e          TTFT through vLLM: recompute vs prefix hits
   bench copy         gather/scatter copy kernels vs memcpy (and PCIe on a GPU)
   bench faults       crash/corruption/fuzz/disk-full/sharing/churn/bad-input suite (--quick)
+  bench route        routing policies over several vLLM engines: hit rates, TTFT
   tune --trace T     replay a trace over TTL/capacity settings, recommend a config
   explain --trace T  why turns missed: head changed, history rewritten, expired/evicted
   inspect DIR|URL    what an NVMe tier folder or a redis:// remote tier holds (--json)

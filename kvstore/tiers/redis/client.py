@@ -368,7 +368,8 @@ class RedisClient:
     def scan(self, match_namespace: bytes | None = None, limit: int | None = None
              ) -> Iterator[tuple[bytes, bytes, int]]:
         """(namespace, key, value bytes) of every block value (of one namespace), each master
-        SCANned in turn; for ``kvstore inspect``. Raises RemoteUnavailable if a server fails."""
+        SCANned in turn, with no deadline (``kvstore inspect`` has its own SCAN, which also reads
+        each value's header and PTTL). Raises RemoteUnavailable if a server fails."""
         ns = b"*" if match_namespace is None else bytes(match_namespace).hex().encode()
         left = float("inf") if limit is None else limit
         try:

@@ -1,7 +1,8 @@
 """What the remote tier answered about keys a moment ago, so one request asks Redis once.
 
 vLLM asks for a request's stored prefix on the scheduler thread (the lookup), then pins it for
-the load a few milliseconds later: two EXISTS pipelines over the same keys, each ~5 ms for 256
+the load a few milliseconds later: two lookup pipelines over the same keys (EXISTS when this was
+measured, STRLEN now: as cheap), each ~5 ms for 256
 keys on loopback (measured with the two-engine test). ``walk`` answers the second from this memo.
 And a prompt that misses (most fresh prompts) asks ``probe`` keys first, not all of them: only
 the prefix counts, so the first absent key ends the walk.
