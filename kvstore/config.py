@@ -241,7 +241,7 @@ def _key_errors(prefix: str, data: Any, cls) -> list[ConfigError]:
         key = f"{prefix}.{k}" if prefix else str(k)
         e = getattr(cls, "_refuse", lambda key, name: None)(key, k)
         if e is None and k not in names:
-            e = ConfigError(key, data[k], f"known keys here are {', '.join(names)} (unknown key)")
+            e = ConfigError(key, "<not shown>", f"known keys here are {', '.join(names)} (unknown key)")
         if e is not None:
             out.append(e)
     return out
@@ -298,6 +298,40 @@ def merge(base: Mapping, override: Mapping) -> dict:
 ENV_PREFIX = "KVSTORE__"
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one
+    silently: a second ``tiers:`` would drop the first one's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # '<<': merged keys may be overridden
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                except TypeError:
+                    continue  # an unhashable key: the safe loader refuses it itself
+                if dup:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found the key {key!r} twice", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text -> plain data, with the safe loader (nothing is constructed but plain types).
+    Raises yaml.YAMLError for anything it cannot read: bad syntax, a key twice, nesting too deep
+    for the parser (RecursionError: 1.2 KB of '[' does it), an integer of over 4,300 digits."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("nested too deep") from None
+    except ValueError as e:  # int('1' * 5000): Python's limit on integer digits
+        raise yaml.YAMLError(str(e)) from None
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict:
     """``KVSTORE__TIERS__DRAM__CAPACITY_GB=8`` -> ``{"tiers": {"dram": {"capacity_gb": 8}}}``.
 
@@ -306,12 +340,18 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
     out: dict = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
+            if name.startswith("KVSTORE_") and "__" in name:  # KVSTORE_TIERS__DRAM__...: one _ short
+                raise ConfigError(name, "<not shown>", f"{ENV_PREFIX}SECTION__KEY (two underscores after KVSTORE; "
+                                  f"did you mean {ENV_PREFIX}{name[len('KVSTORE_'):].lstrip('_')}?)",
+                                  "an environment variable that looks like a config override but is not read")
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
         if not parts:
             continue
+        if not isinstance(raw, str):
+            raise ConfigError(".".join(parts), raw, f"a string (the environment variable {name})")
         try:
-            value = yaml.safe_load(raw)
+            value = parse_yaml(raw)
         except yaml.YAMLError:
             value = raw
         node = out
@@ -377,9 +417,11 @@ def read_yaml(path: str | os.PathLike) -> dict:
         raise ConfigError("config", str(path), "a UTF-8 text YAML file", f"byte {e.start} is not UTF-8: "
                           "a binary file?") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError("config", str(path), f"valid YAML ({e})") from None
+        data = parse_yaml(text)
+    except yaml.YAMLError as e:  # one line: the problem and where (PyYAML's own text spans several)
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        why = f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark and problem else " ".join(str(e).split())
+        raise ConfigError("config", str(path), "valid YAML", why) from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -406,8 +448,11 @@ def load_config(
         if named is not None and not isinstance(named, (str, os.PathLike)):
             raise ConfigError("config", named, "the path of a YAML file (a string), or null")
         if path is None:
-            path = named or environ.get("KVSTORE_CONFIG") or None
-        data: dict = read_yaml(path) if path else {}
+            path = named if named is not None else environ.get("KVSTORE_CONFIG") or None
+        if isinstance(path, (str, os.PathLike)) and not os.fspath(path).strip():  # "$CFG" of an unset variable
+            raise ConfigError("config", path, "the path of a YAML file or a shipped config name "
+                              f"({', '.join(shipped_configs())}), or null for the defaults")
+        data: dict = read_yaml(path) if path is not None else {}
         data = merge(data, env_overrides(environ))
     except ConfigError as e:
         if errors is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import reprlib
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -40,11 +41,26 @@ def codec_names() -> tuple[str, ...]:
     return tuple(CODECS)
 
 
-def number(key: str, v: Any, *, minimum: float = 0.0, allow_none: bool = False) -> float | None:
+def _real(v: Any, low: float, high: float) -> bool:
+    """A real number (not a bool) in [low, high]; an int too large for a float (10**400) is out of
+    range, not an OverflowError."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v) and low <= v <= high
+    except OverflowError:
+        return False
+
+
+MAX_GB = 1e9  # 1 EiB: more is a typo, and GiB * 2**30 must stay an int a float can hold
+MAX_TTL_S = 1e9  # ~31 years (null: none); Redis refuses a PX above ~9.2e18 ms, which put() would meet
+
+
+def number(key: str, v: Any, *, minimum: float = 0.0, maximum: float = MAX_GB, allow_none: bool = False) -> float | None:
     if v is None and allow_none:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
-        allowed = f"a finite number >= {minimum:g}" + (" or null" if allow_none else "")
+    if not _real(v, minimum, maximum):
+        allowed = f"a finite number >= {minimum:g}, at most {maximum:g}" + (" or null" if allow_none else "")
         raise ConfigError(key, v, allowed)
     return float(v)
 
@@ -53,8 +69,8 @@ def ttl(key: str, v: Any, *, null: str) -> float | None:
     """An idle TTL: 0 would expire every block at once (the tier keeps nothing), so it is refused."""
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(key, v, f"a positive number of seconds, or null {null}")
+    if not _real(v, 0.0, MAX_TTL_S) or v <= 0:
+        raise ConfigError(key, v, f"a positive number of seconds, or null {null}; at most {MAX_TTL_S:g} s")
     return float(v)
 
 
@@ -80,7 +96,7 @@ def choice(key: str, v: Any, choices: tuple | Callable[[], tuple]) -> Any:
     choices = choices() if callable(choices) else choices
     if isinstance(v, str):
         low = v.strip().lower()
-        if low in ("true", "false") and (True in choices):
+        if low in ("true", "false") and any(isinstance(c, bool) for c in choices):
             v = low == "true"
         else:
             v = low
@@ -145,6 +161,7 @@ def remote_url(key: str, v: Any, cluster: bool):
         if not isinstance(u, str) or not u.startswith(("redis://", "rediss://")):
             raise ConfigError(key, u, allowed)
         why = url_problem(u, cluster)
-        if why:
-            raise ConfigError(key, u, allowed, why)
+        if why:  # a query or fragment is not shown: '?password=...' is one way to write a credential
+            shown = re.split(r"[?#]", u, maxsplit=1)[0]
+            raise ConfigError(key, shown + ("?<not shown>" if shown != u else ""), allowed, why)
     return list(urls) if isinstance(v, list) else v

@@ -23,9 +23,11 @@ The connector writes the first four for every request, as its first lookup found
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import IO, Iterator, Sequence
@@ -105,11 +107,29 @@ class TraceWriter:
         """``recorded``: what records the trace (the store's tiers and its KV block), written into
         the first line as ``"recorded"``: ``kvstore tune`` takes its budget and block size from it
         (:func:`kvstore.tune.trace_memory.recorded_fields`; readers that do not know it skip it)."""
-        d = os.path.dirname(os.fspath(path))
-        if d:
-            os.makedirs(d, exist_ok=True)
+        missing, d = [], os.path.dirname(os.fspath(path))
+        while d and not os.path.isdir(d):  # the folders it creates are 0700 (os.makedirs: the leaf only)
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
         self.path = os.fspath(path)
-        self._f: IO[str] = open(self.path, "a", buffering=1 << 16)
+        # 0600 when it creates the file (a trace names sessions and prompt hashes); never through a
+        # symlink planted at the name (O_NOFOLLOW), never blocking on a FIFO (O_NONBLOCK, then a
+        # regular file is required)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                     | os.O_NONBLOCK, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", self.path)
+            os.set_blocking(fd, True)
+            self._f: IO[str] = open(fd, "a", buffering=1 << 16, closefd=True)
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock = threading.Lock()
         self._n = 0
         self.flush_every = flush_every

@@ -307,3 +307,133 @@ def test_kvstore_config_checks_the_machine_and_passes_a_good_file(tmp_path, held
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert yaml.safe_load(r.stdout)["tiers"]["dram"]["capacity_gb"] == 0.5
     assert not (tmp_path / "ok").exists()  # checking creates nothing
+
+
+# -- inputs found by an audit of every field (2026-11-27): each was a traceback, a value accepted
+# that failed later, or a secret printed; each is now one ConfigError naming its key -----------------
+
+HUGE = 10 ** 400  # an int no float can hold: math.isfinite raised OverflowError
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"tiers": {"dram": {"capacity_gb": HUGE}}}, "tiers.dram.capacity_gb"),
+    ({"tiers": {"nvme": {"capacity_gb": 1e300}}}, "tiers.nvme.capacity_gb"),  # accepted, then int(inf) at start
+    ({"tiers": {"dram": {"ttl_s": HUGE}}}, "tiers.dram.ttl_s"),
+    ({"tiers": {"remote": {"ttl_s": 1e300}}}, "tiers.remote.ttl_s"),  # Redis refuses such a PX: nothing stored
+])
+def test_numbers_past_their_range_name_the_key_even_when_collected(data, key):
+    with pytest.raises(ConfigError) as ei:
+        from_dict(data)
+    assert ei.value.key == key and "at most 1e+09" in ei.value.allowed
+    errors: list = []
+    cfg = from_dict(data, errors)
+    assert [e.key for e in errors] == [key] and cfg.tiers.dram.capacity_bytes > 0  # the default kept
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[" * 600 + "]" * 600, "nested too deep"),  # RecursionError from PyYAML
+    ("tiers: {nvme: {admit_after: 1" + "0" * 5000 + "}}", "4300 digits"),  # ValueError from int()
+    ("tiers: {dram: {capacity_gb: 1}}\ntiers: {nvme: {capacity_gb: 2}}\n", "found the key 'tiers' twice"),
+    ("tiers:\n  dram: {capacity_gb: 1, capacity_gb: 2}\n", "found the key 'capacity_gb' twice"),
+])
+def test_a_file_the_parser_cannot_take_names_config_in_one_line(tmp_path, text, why):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, environ={})
+    assert ei.value.key == "config" and why in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_a_merge_key_may_override_what_it_merged(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("tiers:\n  dram: &d {capacity_gb: 1, ttl_s: 5}\n  nvme:\n    <<: *d\n    ttl_s: 7\n")
+    cfg = load_config(f, environ={})
+    assert (cfg.tiers.nvme.capacity_gb, cfg.tiers.nvme.ttl_s, cfg.tiers.dram.ttl_s) == (1.0, 7.0, 5.0)
+
+
+def test_an_environment_value_the_parser_cannot_take_is_refused_as_a_value():
+    with pytest.raises(ConfigError) as ei:
+        load_config(environ={"KVSTORE__TIERS__DRAM__TTL_S": "[" * 1000})
+    assert ei.value.key == "tiers.dram.ttl_s"
+    with pytest.raises(ConfigError) as ei:
+        load_config(environ={"KVSTORE__TIERS__DRAM__TTL_S": 5})  # not a string: not from an environment
+    assert ei.value.key == "tiers.dram.ttl_s" and "a string" in ei.value.allowed
+
+
+@pytest.mark.parametrize("data, env", [
+    ({"redis_password": "hunter2"}, {}),
+    ({"tiers": {"dram": {"pwd": "hunter2"}}}, {}),
+    ({}, {"KVSTORE__REDIS_PASSWORD": "hunter2"}),  # one underscore too many: an unknown key
+    ({"tiers": {"remote": {"url": "redis://h/3?password=hunter2"}}}, {}),
+    ({"tiers": {"remote": {"url": "redis://h:99999#hunter2"}}}, {}),
+])
+def test_no_error_shows_a_value_that_may_be_a_secret(data, env):
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides=data, environ=env)
+    assert "hunter2" not in str(ei.value) and "hunter2" not in repr(ei.value.value)
+
+
+def test_an_override_one_underscore_short_is_refused_naming_it():
+    with pytest.raises(ConfigError) as ei:
+        load_config(environ={"KVSTORE_TIERS__DRAM__CAPACITY_GB": "abc"})
+    assert ei.value.key == "KVSTORE_TIERS__DRAM__CAPACITY_GB" and "KVSTORE__TIERS__DRAM__CAPACITY_GB" in str(ei.value)
+    assert "abc" not in str(ei.value)
+    cfg = load_config(environ={"KVSTORE_REDIS_PASSWORD": "x", "KVSTORE_CONFIG": "", "KVSTORE_COPY_THREADS": "2"})
+    assert cfg == StoreConfig()  # the single-underscore variables kvstore reads are not overrides
+
+
+@pytest.mark.parametrize("how", ["path", "override"])
+def test_an_empty_config_path_is_refused_not_read_as_the_defaults(how):
+    with pytest.raises(ConfigError) as ei:
+        load_config("", environ={}) if how == "path" else load_config(overrides={"config": ""}, environ={})
+    assert ei.value.key == "config" and "shipped config name" in ei.value.allowed
+
+
+def test_a_quoted_false_engine_is_off_like_an_unquoted_one():
+    assert from_dict({"tiers": {"nvme": {"engine": "false"}}}).tiers.nvme.engine is False
+    with pytest.raises(ConfigError) as ei:
+        from_dict({"tiers": {"nvme": {"engine": "true"}}})
+    assert "io_uring" in ei.value.allowed
+
+
+def test_a_trace_path_the_connector_could_not_open_is_refused_before_start(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "old.jsonl").write_text("")
+    for bad in (tmp_path, tmp_path / "afile" / "t.jsonl"):
+        _, errors = machine.config_errors(overrides={"trace_path": str(bad), "tiers": {"dram": {"capacity_gb": 0.1}}})
+        assert [e.key for e in errors] == ["trace_path"], errors
+    for good in (tmp_path / "old.jsonl", tmp_path / "new" / "deeper" / "t.jsonl"):
+        _, errors = machine.config_errors(overrides={"trace_path": str(good), "tiers": {"dram": {"capacity_gb": 0.1}}})
+        assert errors == []
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+def test_a_new_nvme_folder_under_a_world_writable_parent_is_refused_by_the_check_as_at_start(tmp_path):
+    ww = tmp_path / "ww"
+    ww.mkdir()
+    ww.chmod(0o777)  # no sticky bit: anyone could swap the folder the store creates in it
+    path = ww / "new" / "kv"
+    _, errors = machine.config_errors(overrides={"tiers": {"dram": {"capacity_gb": 0.1}, "nvme": {"path": str(path)}}})
+    assert [e.key for e in errors] == ["tiers.nvme.path"] and "world-writable" in str(errors[0])
+    from kvstore.tiers.nvme.folder import check_folder
+
+    with pytest.raises(ConfigError) as ei:
+        check_folder(path)
+    assert str(ei.value) == str(errors[0])
+    assert not (ww / "new").exists()
+
+
+def test_a_trace_file_is_private_and_never_written_through_a_planted_link(tmp_path):
+    from kvstore.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "a" / "b" / "t.jsonl")
+    w.write(0.0, "s", [b"k" * 16], 16, 16, 1)
+    w.close()
+    assert (tmp_path / "a" / "b" / "t.jsonl").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o700 and (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / "link.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        TraceWriter(tmp_path / "link.jsonl")
+    assert victim.read_text() == "keep"

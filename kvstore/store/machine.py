@@ -192,7 +192,7 @@ def port_error(port: int | None) -> ConfigError | None:
 def nvme_error(cfg: StoreConfig) -> ConfigError | None:
     """``tiers.nvme.path`` the store would refuse; creates nothing (a missing folder: its nearest
     existing parent must be a folder this process can write)."""
-    from kvstore.tiers.nvme.folder import check_folder
+    from kvstore.tiers.nvme.folder import check_folder, swappable_error
 
     n = cfg.tiers.nvme
     if not n.enabled or n.path is None:
@@ -202,20 +202,50 @@ def nvme_error(cfg: StoreConfig) -> ConfigError | None:
         if p.exists():
             check_folder(p)  # exists: it creates nothing
             return None
+        e = swappable_error(p)  # what check_folder refuses before it creates the folder
+        if e is not None:
+            return e
         parent = next(a for a in p.parents if a.exists())
     except ConfigError as e:
         return e
     except OSError as e:
         return ConfigError("tiers.nvme.path", n.path, "a folder this process can create and write", str(e))
+    return _creatable("tiers.nvme.path", n.path, parent, "a folder this process can create and write")
+
+
+def _creatable(key: str, path: str, parent: Path, allowed: str) -> ConfigError | None:
+    """``parent`` (the nearest existing one of ``path``) must be a folder this process can create in."""
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        return ConfigError("tiers.nvme.path", n.path, "a folder this process can create and write",
-                           f"{parent} is not a folder this process can write in")
+        return ConfigError(key, path, allowed, f"{parent} is not a folder this process can write in")
     return None
+
+
+def trace_error(cfg: StoreConfig) -> ConfigError | None:
+    """``trace_path`` the connector could not open for appending (a folder, a device, a parent that
+    is a file or not writable); creates nothing. The connector opens it when it starts, after vLLM
+    has loaded the model, so this is checked before."""
+    t = cfg.trace_path
+    if t is None:
+        return None
+    allowed = "a file path this process can create or append to (a regular file), or null"
+    p = Path(t)
+    try:
+        if p.exists():
+            if not p.is_file():
+                return ConfigError("trace_path", t, allowed, "it is not a regular file")
+            if not os.access(p, os.W_OK):
+                return ConfigError("trace_path", t, allowed, "this process may not write it")
+            return None
+        parent = next(a for a in p.parents if a.exists())
+    except OSError as e:
+        return ConfigError("trace_path", t, allowed, str(e))
+    return _creatable("trace_path", t, parent, allowed)
 
 
 def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
     """Every check above (for ``kvstore config``)."""
-    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port), nvme_error(cfg)) if e is not None]
+    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port), nvme_error(cfg), trace_error(cfg))
+            if e is not None]
 
 
 def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | None = None, *,
@@ -230,6 +260,6 @@ def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | No
     cfg = load_config(path, overrides=overrides, errors=errors)
     if cfg is not None:  # the machine's checks, for keys not already bad
         bad = {e.key for e in errors}
-        machine = [dram_error(cfg), nvme_error(cfg)] + ([port_error(cfg.metrics.port)] if ports else [])
+        machine = [dram_error(cfg), nvme_error(cfg), trace_error(cfg)] + ([port_error(cfg.metrics.port)] if ports else [])
         errors += [e for e in machine if e is not None and e.key not in bad]
     return cfg, errors

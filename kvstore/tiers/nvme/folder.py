@@ -171,6 +171,20 @@ def _swappable_parents(base: Path) -> tuple[list[str], list[str]]:
     return loose, shared
 
 
+def swappable_error(path: str | os.PathLike, loose: list[str] | None = None):
+    """The error for a folder with a world-writable parent without the sticky bit (anyone could
+    swap the cache folder for another), or None; looks, creates nothing (``kvstore config`` asks
+    it of a folder that does not exist yet, :func:`check_folder` of every one)."""
+    from kvstore.config import ConfigError
+
+    loose = _swappable_parents(Path(path))[0] if loose is None else loose
+    if not loose:
+        return None
+    return ConfigError("tiers.nvme.path", str(path), "a folder whose parents others cannot write", why=(
+        f"{', '.join(loose)} is world-writable without the sticky bit, so anyone could swap the cache "
+        f"folder for another; chmod o-w (or +t) that parent, or use another path"))
+
+
 def check_folder(path: str | os.PathLike) -> Path:
     """Create the tier's folder (0700, and 0700 parents) if missing; refuse one that is unsafe or
     unusable.
@@ -191,9 +205,7 @@ def check_folder(path: str | os.PathLike) -> Path:
     base = Path(path)
     loose, shared = _swappable_parents(base)
     if loose:
-        raise ConfigError(key, str(path), "a folder whose parents others cannot write", why=(
-            f"{', '.join(loose)} is world-writable without the sticky bit, so anyone could swap the cache "
-            f"folder for another; chmod o-w (or +t) that parent, or use another path"))
+        raise swappable_error(path, loose)
     try:
         _make_folders(base)
         st = os.stat(base)  # a configured symlink to a folder is the operator's choice
