@@ -70,8 +70,8 @@ engine) and A's own TTFT (a miss that stores); B's cached tokens, which must be 
 
 **Peers.** On a machine with CUDA, and when they are installed, the same runs also drive
 LMCache's connector (``LMCacheConnectorV1``, CPU backend) and vLLM's ``OffloadingConnector``
-(CPU blocks). Neither runs on vLLM's CPU backend (DESIGN.md section 7), so on CPU the report
-says so and leaves them out.
+(CPU blocks). Neither runs on vLLM's CPU backend (the OffloadingConnector refuses CPU, LMCache finds
+"No supported cpu connector"), so on CPU the report says so and leaves them out.
 
 **Hybrid models** (``--arch gemma3|qwen3_next``, bench/e2e_hybrid.py): the TTFT table on a tiny
 Gemma-3 style (sliding window beside full attention) or Qwen3-Next style (Gated DeltaNet beside

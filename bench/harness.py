@@ -1,8 +1,8 @@
 """The protocol of a benchmark mode (``kvstore bench MODE``, ``python -m kvstore.bench.MODE``).
 
 A mode is a module whose docstring is its ``--help`` text, with ``add_args(parser)`` and
-``run(args) -> dict`` (``kvstore/cli.py`` imports it, builds the parser and calls ``run``; a
-result with ``problems`` exits 1). What every mode shares lives here: ``main`` (the same parser
+``run(args) -> dict`` (``kvstore/ops/cli.py`` finds it through the ``kvstore.bench`` entry
+points, builds the parser and calls ``run``; a result with ``problems`` exits 1). What every mode shares lives here: ``main`` (the same parser
 outside the CLI), the ``--json`` / ``--plots`` options and what they write (:func:`report`),
 the YAML of a ``--config`` (:func:`read_yaml`) and the progress bar (:class:`Progress`).
 """

@@ -213,7 +213,7 @@ def run(a: argparse.Namespace) -> dict:
 
 def _run_all(a, block_tokens, concurrency, tiers, codecs, total, folder, data_notes, results, skipped, bar,
              limits: dict, peer=None) -> None:
-    # the dd-style reference limits (one big buffer; DESIGN.md section 6), for the header
+    # the dd-style reference limits (one big buffer; bench/limits.py), for the header
     mem = memcpy_gbps(total)
     bar.advance()
     dw, dr, direct = odirect_gbps(folder, total)

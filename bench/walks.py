@@ -20,7 +20,7 @@ victims), then one save and one load of other blocks (lazy set-up).
   ``Planner.track``, ``lookup``, ``allocated`` (the pin), ``build_step``, ``Mover.load`` (read,
   scatter, ``end_load``; on the load thread with ``io.async_loads``), then, once the load thread
   is idle, ``Mover.get_finished``. A load's counts can differ by a few between walks: a victim of
-  its promotion may still be on its way to NVMe when the load ends (``Demoter.release``).
+  its promotion may still be on its way to NVMe when the load ends (``Moving.release``).
 
 Counting (``sys.setprofile`` on the entry thread during the stages only, ``threading.setprofile``
 on every thread the rig starts; waiting for background work is not counted):

@@ -356,7 +356,7 @@ def test_placement_scenario_step_by_step(tmp_path):
     assert _state(sim) == (sorted([k[1], k[2]]), []) and sim.free_slots == 0
     # 2. DRAM full: the LRU victim (2: a chain is committed tail first, so its head ends most
     #    recent) is demoted (placement.DEMOTE) and holds its slot until its write is done; block 3
-    #    finds no free slot (split_by_slots), is skipped in DRAM and written to NVMe by put
+    #    finds no free slot (LocalTier.attach), is skipped in DRAM and written to NVMe by put
     assert placement.demote_action(0.0, 1.0, has_lower=True, lower_holds=False, lower_ttl=None) == placement.DEMOTE
     assert sim.request(*reqs[1]) == (0, 0, "never_stored")
     assert _state(sim) == ([k[1]], sorted([k[2], k[3]]))

@@ -2,9 +2,11 @@
 
 Translation only: the scheduler half turns vLLM requests and scheduler outputs into
 :class:`kvstore.offload.Planner` calls, the worker half hands the step's plan and the paged KV
-tensors to :class:`kvstore.offload.Mover`. Loads are synchronous within the step (the
-blocks are already in pinned DRAM: NVMe blocks are prefetched before the request is
-scheduled), stores gather new full blocks after the forward pass.
+tensors to :class:`kvstore.offload.Mover`. With ``io.async_loads`` (the default) a hit with
+blocks below DRAM waits (``WAITING_FOR_REMOTE_KVS``) while the worker's load thread reads and
+scatters them and other requests run; without it, lower-tier blocks are prefetched into DRAM
+before the request is scheduled and loaded within the step. Stores gather new full blocks after
+the forward pass.
 
 Every model vLLM serves keeps vLLM's hybrid KV cache manager (``SupportsHMA``): block ids come
 per KV cache group everywhere, and :func:`kv_groups` says what kvstore does with each group

@@ -20,7 +20,7 @@
 // verdict: the Python wrapper sends that block through the tier's own write or read, which
 // counts, fixes or removes it by the tier's rules (kvstore/tiers/nvme/tier.py).
 //
-// The file format is kvstore/fileformat.py: the engine knows two offsets of the header (the
+// The file format is kvstore/tiers/fileformat.py: the engine knows two offsets of the header (the
 // payload checksum at 32, the header checksum over [0, 80) at 80) and nothing else of it.
 #pragma once
 
@@ -70,7 +70,7 @@ struct WriteJob {
     // out
     int fd = -1;
     int err = 0;                     // 0: stored; else errno
-    int stage = 0;                   // 1 leaf, 2 open, 3 write, 4 xattr, 5 utime, 6 close, 7 rename
+    int stage = 0;                   // 2 open, 3 write, 4 xattr, 5 utime, 6 close, 7 leaf folder or rename
 };
 
 struct ReadJob {

@@ -3,7 +3,7 @@
 Stored bytes: one mode byte (0 = stored as is, because zstd did not shrink it; 1 = zstd frame),
 then the data. Over ``none`` with 2- or 4-byte elements the bytes are shuffled first (all first
 bytes of every element, then all second bytes, ...): exponent bytes are far more alike than
-mantissa bytes, so zstd finds much more to squeeze (measured in bench/codecs.py).
+mantissa bytes, so zstd finds much more to squeeze.
 
 One frame per block, one thread per frame: the store already compresses blocks in parallel on
 its I/O pool (zstd releases the GIL), which pays more than splitting one block's frame.

@@ -2,7 +2,7 @@
 
 vLLM's multiprocess executor runs the worker (which owns the store) in another process than
 the scheduler. The worker serves :class:`~kvstore.offload.client.LocalClient`'s calls on
-``<folder>/<name>.sock`` (socket 0600 in a folder of this uid, 0700, checked by
+``<folder>/<sha256(name)[:24]>.sock`` (socket 0600 in a folder of this uid, 0700, checked by
 :mod:`kvstore.offload.sockdir`); the scheduler's :class:`RemoteClient` makes them. JSON only
 (keys as hex): nothing received is unpickled.
 

@@ -1,8 +1,8 @@
 """Store metrics, exported through prometheus-client (one registry per store).
 
 Names follow Prometheus conventions: ``kvstore_`` then what is measured, base units
-(``_bytes``, ``_seconds``), ``_total`` on counters (prometheus-client adds it). README.md lists
-every metric (a test keeps the list complete).
+(``_bytes``, ``_seconds``), ``_total`` on counters (prometheus-client adds it). docs/metrics.md
+lists every metric (tests/test_engine_metrics.py keeps the list complete).
 
 Per tier: bytes written and read, evictions, expirations, corrupt files dropped, errors, put/get
 latency, blocks and bytes held, capacity. Store lookups (``kvstore_lookup_*``) count what a
@@ -35,7 +35,7 @@ class StoreMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         # Store lookups, as any caller of KVStore.contains_prefix(record=True) makes them (the
-        # benchmarks, the tuner's replay). The vLLM connector does not record here: what it
+        # benchmarks, tests/store_replay.py). The vLLM connector does not record here: what it
         # served is counted by the kvstore_engine_* metrics (kvstore/offload/metrics.py).
         self.lookup_blocks = Counter("kvstore_lookup_blocks", "Full blocks looked up in the store", registry=r)
         self.lookup_tokens = Counter("kvstore_lookup_tokens", "Tokens in the full blocks looked up in the store",
@@ -220,7 +220,8 @@ class StoreMetrics:
         return generate_latest(self.registry).decode()
 
     def snapshot(self) -> dict:
-        """All samples as {"name{label=v}": value} (for ``kvstore stats`` and tests)."""
+        """All samples as {"name{label=v}": value} (for ``KVStore.stats()`` and tests; ``kvstore stats`` reads
+        the HTTP text)."""
         out = {}
         for fam in self.registry.collect():
             for s in fam.samples:

@@ -59,7 +59,8 @@ class Moves:
         return f
 
     def background(self, fn: Callable) -> Future:
-        """A job of the single prefetch thread (loads the engine asked to start early)."""
+        """A job of the single prefetch thread (loads the engine asked to start early, the TTL
+        sweep behind the KV events)."""
         f = self._bg.submit(fn)
         self.track(f)
         return f

@@ -7,7 +7,7 @@ the store's rules by construction.
 * **admit**: a block goes into the top tier unless a lower tier already holds it (or is writing
   it): :func:`admit`.
 * **slots**: reserved entries get a free DRAM slot in order; the rest are skipped, never waited
-  for (``no_slot``): :func:`split_by_slots`. The index holds fewer blocks than there are slots
+  for (``no_slot``): :meth:`kvstore.tiers.local.LocalTier.attach`. The index holds fewer blocks than there are slots
   (:func:`kvstore.tiers.dram.tier.headroom_slots`), so a step's stores find slots while the
   last step's victims are still being written down.
 * **demote**: a DRAM victim (evicted for capacity or expired) is written down unless there is no
@@ -48,9 +48,7 @@ the live store learns a session only at a load, and there the connector names th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Mapping, Sequence, TypeVar
-
-T = TypeVar("T")
+from typing import Callable, Hashable, Mapping, Sequence
 
 MISS_REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "corrupt", "not_admitted",
                 "slower_than_recompute")
@@ -66,20 +64,6 @@ NOT_ADMITTED = "not_admitted"  # fewer asks than tiers.nvme.admit_after: dropped
 def admit(lower_holds: bool) -> bool:
     """Store a block in the upper tier? Not when a lower tier already holds (or writes) it."""
     return not lower_holds
-
-
-def split_by_slots(entries: Sequence[T | None], free_slots: int) -> tuple[list[T | None], int]:
-    """The first ``free_slots`` reserved entries (non-None) keep their place; the others become
-    None (skipped: ``no_slot``). Returns (entries, how many were skipped)."""
-    out, skipped = [], 0
-    for e in entries:
-        if e is not None:
-            if free_slots > 0:
-                free_slots -= 1
-            else:
-                e, skipped = None, skipped + 1
-        out.append(e)
-    return out, skipped
 
 
 def demote_action(last_access: float, now: float, *, has_lower: bool, lower_holds: bool,

@@ -11,7 +11,7 @@ the whole prefix, a store answers "how many *leading* keys do you hold".
 * ``begin_store/end_store``, ``pin_load/read_load/end_load``: zero-copy two-phase moves for the
   connector (the slots are pinned while in flight and cannot be evicted)
 
-Three collaborators, composed: the tiers (:func:`kvstore.tiers.open_tiers`, from the config),
+Three collaborators, composed: the tiers (:class:`kvstore.tiers.TierSet`, from the config),
 the :class:`~kvstore.store.chain.TierChain` over them (which decides: no bytes), the
 :class:`~kvstore.store.moves.Moves` (which move the bytes), and one metrics sink. This class
 holds the public API and the order of a call's steps; it never asks which tiers exist.
@@ -391,7 +391,7 @@ class KVStore:
     def take_events(self) -> list:
         """What became servable in, or left, each announced tier since the last call
         (:class:`~kvstore.store.events.TierEvents`; [] with events off). Past-TTL blocks are swept on
-        the I/O pool when any is due, so an expiry is seen without traffic: by the next call."""
+        the store's background (prefetch) thread when any is due, so an expiry is seen without traffic: by the next call."""
         if self.events is None or self._closed:
             return []
         if (self._sweeping is None or self._sweeping.done()) and self.events.due(self.clock()):

@@ -64,8 +64,8 @@ class FilePool:
         return len(self._names)
 
     def put(self, dir_fd: int, name: str) -> bool:
-        """Move ``dir_fd/name`` into the pool (a rename, atomic). False when the pool is full, or
-        the name is gone (FileNotFoundError is raised for the caller to tell the two apart)."""
+        """Move ``dir_fd/name`` into the pool (a rename, atomic). False when the pool is full;
+        FileNotFoundError when the name is gone (the caller tells the two apart)."""
         with self._lock:
             if len(self._names) + self._moving >= self.max_files:
                 self.stats["full"] += 1

@@ -1,7 +1,8 @@
 """The Redis (or Valkey) client of the shared tier: one server or a cluster.
 
 Redis keeps the index (its own TTL and eviction), so this tier has none: every call is one round
-trip per server, a pipeline of one command per block (a cluster's node groups run in parallel).
+trip per server, a pipeline of one command per block (two on a load with a TTL: GETRANGE and
+PEXPIRE; a cluster's node groups run in parallel).
 
 Key names: ``kvs:{<namespace hex>.<key[0] hex>}:<key hex>``; the hash tag (in braces) is the
 namespace and the key's first byte: a namespace spreads over at most 256 slots evenly (keys are
@@ -17,8 +18,8 @@ longest value of ours. A value that fails any check (the wrong type, length, hea
 checksum or MAC) is a counted miss and is deleted. Redis SET is atomic, so two engines writing
 one key leave one whole value (the same bytes), never a torn one.
 
-Failures never raise: every call ends within ``timeout_ms`` of wall time whatever the server
-does (:mod:`.conn`: a deadline over the whole call, not each socket read); a timeout, a lost
+Failures never raise: every call ends within ``timeout_ms`` of wall time (plus 50 ms per MiB it
+moved) whatever the server does (:mod:`.conn`: a deadline over the whole call, not each socket read); a timeout, a lost
 connection or any exception from the client library makes that call all misses (a cluster keeps
 the answers of the nodes that did answer) and puts the tier in backoff: calls miss at once without
 touching the network until it ends. Credentials and the secret come only from the constructor

@@ -3,11 +3,12 @@ under every engine of a model.
 
 Redis keeps the index (its own TTL and eviction), so as a :class:`~kvstore.tiers.base.Tier`
 this one reserves nothing, pins nothing and has no victims: a write is a SET that overwrites
-(in one namespace a key names the same bytes in every engine), a read a GET whose checks may
-find the block gone or bad (a miss, then). Lookups ask in batches, after the local tiers, and
+(in one namespace a key names the same bytes in every engine), a read a GETRANGE capped at the
+longest value of ours (with a PEXPIRE beside it when there is a TTL) whose checks may find the block
+gone or bad (a miss, then). Lookups ask in batches, after the local tiers, and
 what Redis answered is remembered a moment (:class:`~kvstore.tiers.redis.presence.Presence`), so
-a request's lookup and its pin ask once. Every call ends within ``timeout_ms`` whatever the
-server does (:mod:`~kvstore.tiers.redis.conn`); a failure is a miss and a backoff, never an error.
+a request's lookup and its pin ask once. Every call ends within ``timeout_ms`` (plus 50 ms per
+MiB it moved) whatever the server does (:mod:`~kvstore.tiers.redis.conn`); a failure is a miss and a backoff, never an error.
 """
 
 from __future__ import annotations
