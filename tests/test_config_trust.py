@@ -36,7 +36,7 @@ TTL_ZERO = [
 
 BAD_URLS = ["redis://h:abc", "redis://h:0", "redis://h:65536", "redis://h:99999/1", "redis://h:-1", "redis://h:+5",
             "redis://h/x", "redis://h/-1", "redis://h/1.5", "redis://h:6379/0/1", "redis://[::1", "redis://:6379",
-            "redis://h:6379/0?db=2", "redis://h\x00:6379"]
+            "redis://h:6379/0?db=2", "redis://h\x00:6379", "redis://ho st:6379", "redis://%00h", "redis://h\t:1"]
 
 NUL = [
     ({"tiers": {"nvme": {"path": "/tmp/a\x00b"}}}, "tiers.nvme.path"),
