@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import IO, Iterator, Sequence
+from typing import Iterator, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,14 @@ def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
 
 
 class TraceWriter:
-    """Appends records to a JSONL file; thread-safe; buffered (cheap on the hot path)."""
+    """Appends records to a JSONL file; thread-safe; buffered (cheap on the hot path).
+
+    A write that fails (a full disk, EIO) never reaches the caller, which is vLLM's scheduler
+    finishing a request: the buffered lines are dropped and counted (``dropped``), a warning is
+    logged once per run of failures, and the file is cut back to where that write began, so no
+    torn line is left for a reader (``read_trace`` refuses one). The file grows by one line per
+    finished request (about 35 bytes per block of the prompt, plus its tokens with
+    ``trace_tokens``); it is the operator's to rotate (``copytruncate``: it is opened for append)."""
 
     def __init__(self, path: str | os.PathLike, flush_every: int = 256, recorded: dict | None = None):
         """``recorded``: what records the trace (the store's tiers and its KV block), written into
@@ -126,14 +136,16 @@ class TraceWriter:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", self.path)
             os.set_blocking(fd, True)
-            self._f: IO[str] = open(fd, "a", buffering=1 << 16, closefd=True)
         except BaseException:
             os.close(fd)
             raise
+        self._fd = fd
+        self._buf: list[str] = []
         self._lock = threading.Lock()
-        self._n = 0
         self.flush_every = flush_every
         self._recorded = recorded
+        self.dropped = 0  # lines lost to failed writes
+        self._failing = False
 
     def write(self, t: float, session: str, blocks: Sequence[bytes], block_tokens: int, prompt_tokens: int,
               output_tokens: int, **optional) -> None:
@@ -141,20 +153,45 @@ class TraceWriter:
         line = TraceRecord(t, session, tuple(blocks), block_tokens, prompt_tokens, output_tokens,
                            **optional).to_json()
         with self._lock:
-            if self._f.closed:
+            if self._fd < 0:
                 return
             if self._recorded is not None:  # the first line says what recorded the trace
                 line = line[:-1] + ',"recorded":' + json.dumps(self._recorded, separators=(",", ":")) + "}"
                 self._recorded = None
-            self._f.write(line + "\n")
-            self._n += 1
-            if self._n % self.flush_every == 0:
-                self._f.flush()
+            self._buf.append(line + "\n")
+            if len(self._buf) >= self.flush_every:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Append the buffered lines (under the lock); a failure drops them (see the class doc)."""
+        lines, self._buf = self._buf, []
+        if not lines:
+            return
+        data, start = memoryview("".join(lines).encode()), None
+        try:
+            start = os.fstat(self._fd).st_size
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            self.dropped += len(lines)
+            if start is not None:
+                try:
+                    os.ftruncate(self._fd, start)  # no torn line
+                except OSError:
+                    pass
+            if not self._failing:
+                log.warning("kvstore: trace_path %s: a write failed (%s); its %d lines are dropped, and so "
+                            "is every line until a write succeeds (counted)", self.path, e.strerror or e, len(lines))
+            self._failing = True
+        else:
+            self._failing = False
 
     def close(self) -> None:
         with self._lock:
-            if not self._f.closed:
-                self._f.close()
+            if self._fd >= 0:
+                self._flush()
+                os.close(self._fd)
+                self._fd = -1
 
 
 RECORDED_KEY = "recorded"  # an optional field of a line: the config and block that recorded the trace

@@ -422,18 +422,3 @@ def test_a_new_nvme_folder_under_a_world_writable_parent_is_refused_by_the_check
     assert str(ei.value) == str(errors[0])
     assert not (ww / "new").exists()
 
-
-def test_a_trace_file_is_private_and_never_written_through_a_planted_link(tmp_path):
-    from kvstore.trace import TraceWriter
-
-    w = TraceWriter(tmp_path / "a" / "b" / "t.jsonl")
-    w.write(0.0, "s", [b"k" * 16], 16, 16, 1)
-    w.close()
-    assert (tmp_path / "a" / "b" / "t.jsonl").stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o700 and (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
-    victim = tmp_path / "victim"
-    victim.write_text("keep")
-    (tmp_path / "link.jsonl").symlink_to(victim)
-    with pytest.raises(OSError):
-        TraceWriter(tmp_path / "link.jsonl")
-    assert victim.read_text() == "keep"

@@ -1,0 +1,56 @@
+"""The request trace the connector appends (``trace_path``): private, never written through a
+planted link, and a write that fails (a full disk) is dropped and counted, never raised into vLLM's
+scheduler, and leaves no torn line for ``kvstore tune``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvstore.trace import TraceWriter, read_trace
+
+
+def test_a_trace_file_is_private_and_never_written_through_a_planted_link(tmp_path):
+    w = TraceWriter(tmp_path / "a" / "b" / "t.jsonl")
+    w.write(0.0, "s", [b"k" * 16], 16, 16, 1)
+    w.close()
+    assert (tmp_path / "a" / "b" / "t.jsonl").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o700 and (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / "link.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        TraceWriter(tmp_path / "link.jsonl")
+    assert victim.read_text() == "keep"
+
+
+def test_a_failed_write_is_dropped_counted_and_cut_back_then_writing_resumes(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE, in a child process) makes writes past 4 KiB fail with EFBIG,
+    as a full disk fails them with ENOSPC: whole lines up to the limit are kept, a write that would
+    cross it is dropped and cut back, and once the limit is lifted the writer goes on."""
+    path = tmp_path / "t.jsonl"
+    script = textwrap.dedent(f"""
+        import resource, signal, json
+        from kvstore.trace import TraceWriter
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process at the limit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        w = TraceWriter({str(path)!r}, flush_every=4)
+        for i in range(200):
+            w.write(float(i), "s", [bytes([i % 256]) * 16], 16, 16, 1)
+        full = w.dropped
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        for i in range(200, 208):
+            w.write(float(i), "s", [b"k" * 16], 16, 16, 1)
+        w.close()
+        print(json.dumps([full, w.dropped]))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    full, dropped = eval(r.stdout.strip().splitlines()[-1])
+    assert full > 0 and dropped == full and "a write failed" in r.stderr and r.stderr.count("a write failed") == 1
+    got = [rec.t for rec in read_trace(path)]  # every line whole: a torn one would raise here
+    assert len(got) == 208 - dropped and got[-8:] == [float(i) for i in range(200, 208)]
+    assert len(got) - 8 > 0 and all(b - a == 1.0 for a, b in zip(got, got[1:len(got) - 8]))
