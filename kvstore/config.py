@@ -92,7 +92,7 @@ class DramConfig(_Sized):
 
 @dataclass(frozen=True)
 class NvmeConfig(_Sized):
-    path: str | None = _f(None, F.path, what="folder", expand=True)  # null: a private temporary folder, removed at close
+    path: str | None = _f(None, F.path, what="folder", expand=True)  # null: a private temporary folder, removed at close (or, after a crash, by the next store: tiers/nvme/folder.py)
     capacity_gb: float = _f(100.0, F.number)
     ttl_s: float | None = _f(86400.0, F.ttl, **_TTL)
     ttl_shared_s: float | None = _f(None, F.ttl, **_TTL_SHARED)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s

@@ -440,7 +440,8 @@ class KVStore:
             raise RuntimeError("KVStore is closed")
 
     def close(self, persist: bool = True) -> None:
-        """Finish background work, write top-tier-only blocks down (``persist``), free everything."""
+        """Finish background work, write top-tier-only blocks down (``persist``; not into an NVMe
+        folder this store made for itself, which is removed now), free everything."""
         if self._closed:
             return
         self._closed = True  # new calls are refused; queued prefetches still run (internally)
@@ -450,7 +451,7 @@ class KVStore:
                     f.result()
                 except Exception as e:  # a failed background job must not stop the close
                     log.warning("kvstore: a background job failed: %s", e)
-            if persist:
+            if persist and not self._tiers.temporary:
                 self.persist()
         finally:
             self.moves.shutdown()

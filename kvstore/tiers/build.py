@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 import time
 from typing import Callable
 
@@ -38,7 +37,8 @@ class TierSet:
                  events: bool = False):
         self.tiers: list[Tier] = []
         self._namespaces: dict[str, bytes] = {}
-        self._tmpdir: str | None = None
+        self._tmpdir: str | None = None  # the NVMe tier's folder when it has no path: removed at close
+        self._tmplock = -1  # its owner lock (kvstore/tiers/nvme/folder.py, make_temp_folder)
         self.block_bytes = int(block_bytes)
         self.geometry = _geometry(block_bytes, fingerprint, kv_dtype, group_elems)
         self._root = root_of(fingerprint)
@@ -86,7 +86,10 @@ class TierSet:
 
         path = cfg.path
         if path is None:
-            path = self._tmpdir = tempfile.mkdtemp(prefix="kvstore-")
+            from kvstore.tiers.nvme.folder import make_temp_folder
+
+            self._tmpdir, self._tmplock = make_temp_folder()
+            path = self._tmpdir
         tier = NvmeTier(path=path, namespace=self._namespaces["nvme"], capacity_bytes=cfg.capacity_bytes,
                         ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=self.block_bytes,
                         codec_id=CODEC_IDS[cfg.codec], o_direct=cfg.o_direct, header=cfg.header, clock=clock,
@@ -111,6 +114,14 @@ class TierSet:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+        if self._tmplock >= 0:
+            os.close(self._tmplock)
+            self._tmplock = -1
+
+    @property
+    def temporary(self) -> bool:
+        """Is the NVMe tier's folder one this set made, to be removed at close?"""
+        return self._tmpdir is not None
 
 
 def _geometry(block_bytes: int, fingerprint, kv_dtype: str | None, group_elems: int | None) -> Geometry:

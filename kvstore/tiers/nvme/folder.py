@@ -12,10 +12,12 @@ written nor deleted through; a FIFO planted where a file was does not block an o
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import stat
+import tempfile
 import threading
 from itertools import count
 from pathlib import Path
@@ -314,6 +316,62 @@ def probe_writable(dir_fd: int) -> bool:
         return True
     except OSError:
         return False
+
+
+TEMP_PREFIX = "kvstore-tmp-"  # a tier with no path: its folder in the system's temp folder
+LOCK_NAME = ".owner.lock"  # flocked by the live store that owns a temp folder
+
+
+def make_temp_folder() -> tuple[str, int]:
+    """A private (0700) folder for an NVMe tier with no configured path, and the descriptor of the
+    lock its owner holds until it closes (or dies: the kernel drops a dead process's flock). First,
+    removes the temp folders that crashed owners left behind (:func:`sweep_temp_folders`): up to a
+    tier's capacity each, one per unclean exit."""
+    sweep_temp_folders()
+    path = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path, fd
+
+
+def sweep_temp_folders(where: str | None = None) -> int:
+    """Remove ``kvstore-tmp-*`` folders in the temp folder whose owner is gone: this user's own
+    0700 folders (not a symlink) whose lock file this process can flock (nobody holds it). A live
+    store holds its lock, in this process or another (another PID namespace too); another user's
+    folder is never touched. Returns how many were removed."""
+    where = where or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(TEMP_PREFIX)]
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+                continue
+            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
+        except OSError:
+            continue  # gone, not ours, or no lock file yet (being made: mkdtemp, then the lock)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its owner is alive
+        try:
+            shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: no symlink inside is followed
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("kvstore: removed %d temporary NVMe folder(s) of stores that ended without closing, in %s",
+                    removed, where)
+    return removed
 
 
 def free_bytes(fd: int) -> int:
