@@ -151,3 +151,54 @@ def test_remote_tier_only_when_asked(tmp_path, redis_single, monkeypatch):  # no
         assert (REMOVED, "remote", 11) in records(s)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("announced", ["dram", "dram,nvme"])
+def test_metadata_goes_with_the_last_copy_even_from_a_tier_not_announced(tmp_path, announced):
+    """A block demoted from DRAM (announced) into NVMe, then evicted there: its metadata must go
+    then, announced or not. With NVMe not announced, the NVMe eviction journaled nothing and the
+    metadata of every block that ever passed through NVMe stayed (found by an audit of what grows)."""
+    from kvstore.config import from_dict, merge
+
+    media = {"dram": {"medium": "CPU"}, "nvme": {"medium": "STORAGE" if "nvme" in announced else None}}
+    cfg = from_dict(merge(tiny_config(tmp_path / "c", dram_blocks=4, nvme_blocks=8).to_dict(), {"events": media}))
+    s = KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=FP.block_size, clock=FakeClock(), events=True)
+    try:
+        for r in range(40):  # 160 blocks through 4 + 8 slots
+            keys = make_keys(4, seed=100 + r)
+            put(s, keys, first=(4 * r) % 200)
+            s.take_events()
+        for _ in range(3):
+            s.take_events()
+        held = {k for t in s.events.all for k in t.index.entries}
+        assert len(held) <= 12 and set(s.events.meta) <= held, (len(s.events.meta), len(held))
+    finally:
+        s.close()
+
+
+def test_metadata_of_a_demotion_that_fails_after_the_check_goes_too(tmp_path):
+    """A key still being written down (WRITING) when its removal is checked is looked at again: a
+    write that then fails is aborted, which journals nothing."""
+    from kvstore.tiers.index import WRITING
+
+    s = open_store(tmp_path / "c", FakeClock(), dram_blocks=4, nvme_blocks=8)
+    try:
+        keys = make_keys(4, seed=7)
+        put(s, keys)
+        s.take_events()
+        k = keys[0]
+        idx = s.nvme.index
+        with s.nvme.lock:  # as a demotion in flight: a WRITING entry in NVMe, gone from DRAM
+            e, _ = idx.reserve(k, BLOCK, s.clock())
+        with s.dram.lock:
+            s.dram.index.remove(k)
+        for _ in range(3):  # the removal's record, then its check two takes later: k is held only as
+            s.take_events()  # WRITING, so it is kept in view
+        assert k in s.events.meta and idx.entries[k].state == WRITING
+        with s.nvme.lock:
+            idx.abort(e)  # the write failed
+        for _ in range(3):
+            s.take_events()
+        assert k not in s.events.meta
+    finally:
+        s.close()

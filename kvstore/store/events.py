@@ -23,6 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kvstore.tiers.index import READY
+
 STORED = True
 REMOVED = False
 _HEAD = struct.Struct("<H")
@@ -91,6 +93,14 @@ class TierEvents:
                 holder.journal = []
                 if holder is not t:
                     self._first.extend((t.name, k) for k in t.index.keys())
+        # the local tiers not announced journal too: what leaves them is never sent, but its
+        # metadata must go once no tier holds the block (a block demoted into an NVMe tier that is
+        # not announced, then evicted there, left its metadata here for good)
+        announced = {id(t) for t, _ in self.tiers}
+        self._quiet = [t for t in self.all if id(t) not in announced]
+        for t in self._quiet:
+            with t.lock:
+                t.index.journal = []
         held = {k for t in self.all for k in t.index.entries}
         self.meta = {k: m for k, m in self.meta.items() if k in held}
 
@@ -130,10 +140,18 @@ class TierEvents:
                 out.append((stored, t.name, m))
                 if not stored:
                     gone.append(k)
+        for t in self._quiet:
+            with t.lock:
+                j, t.index.journal = t.index.journal, []
+            gone.extend(k for stored, k in j if not stored)
         with self._lock:  # metadata of blocks no tier holds any more (a demotion in flight is held below)
             old, newer = self._gone
+            again = []
             for k in old:
-                if not any(k in t.index.entries for t in self.all):
+                held = [e.state for t in self.all if (e := t.index.entries.get(k)) is not None]
+                if not held:
                     meta.pop(k, None)
-            self._gone = [newer, gone]
+                elif READY not in held:  # only being written: an abort journals nothing, so look again
+                    again.append(k)
+            self._gone = [newer + again, gone]
         return out
