@@ -128,6 +128,31 @@ def test_a_file_at_the_folder_name_is_refused(run_dir, shared):
         rpc.StoreServer(shared, name())
 
 
+
+def test_a_server_that_died_leaves_a_socket_that_the_next_one_removes(run_dir, shared):
+    """vLLM names a new engine at each start, so each unclean exit (SIGKILL, OOM) left one more
+    socket; the next server unlinks those nobody serves, and no live server's or other file."""
+    live = rpc.StoreServer(shared, live_name := name())
+    try:
+        d = folder(run_dir)
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dead.bind(os.path.join(d, "dead.sock"))  # bound, then its process gone: connects are refused
+        dead.close()
+        open(os.path.join(d, "note.sock"), "w").close()  # not a socket
+        assert os.path.exists(os.path.join(d, "dead.sock"))
+        other = rpc.StoreServer(shared, name())
+        try:
+            left = sorted(os.listdir(d))
+            assert "dead.sock" not in left and "note.sock" in left
+            assert os.path.basename(live.path) in left and os.path.basename(other.path) in left
+            c = rpc.RemoteClient(live_name, connect_timeout_s=5)  # the live one still serves
+            assert c._call("ping") == "pong"
+            c.close()
+        finally:
+            other.close()
+    finally:
+        live.close()
+
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o277])
 def test_the_folder_is_created_0700_under_any_umask(run_dir, shared, umask):
     old = os.umask(umask)

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import socketserver
+import stat
 import struct
 import threading
 import time
@@ -212,6 +213,40 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 pass
 
 
+def _remove_dead_sockets(fd: int, folder: str) -> int:
+    """Unlink the sockets in the (checked, private) folder that nobody serves: a connect is refused.
+    A server that ended without closing (SIGKILL, OOM) leaves its socket, and vLLM names a new
+    engine at each start, so without this they pile up, one per rank and unclean exit."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(fd) if n.endswith(".sock")]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            st = os.lstat(name, dir_fd=fd)
+            if not stat.S_ISSOCK(st.st_mode):
+                continue
+        except OSError:
+            continue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(0.5)
+            s.connect(path_in(fd, folder, name))
+        except ConnectionRefusedError:
+            try:
+                if os.lstat(name, dir_fd=fd).st_ino == st.st_ino:  # not a server's new socket by that name
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+            except OSError:
+                pass
+        except OSError:
+            pass  # busy (its backlog full), gone, or a timeout: left alone
+        finally:
+            s.close()
+    return removed
+
+
 class StoreServer:
     """Serves a process's store to schedulers in other processes (a daemon thread)."""
 
@@ -225,6 +260,7 @@ class StoreServer:
                 os.unlink(self._name, dir_fd=self._dir)
             except FileNotFoundError:
                 pass
+            _remove_dead_sockets(self._dir, folder)
             old = os.umask(0o177)
             try:
                 self.server = _Server(path_in(self._dir, folder, self._name), shared, idle_s, frame_s,
