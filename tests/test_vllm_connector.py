@@ -351,3 +351,22 @@ def test_trace_is_recorded_with_hashes_only(tiny_model, tmp_path):
     assert recs[0].blocks == recs[1].blocks[:9]  # the shared prefix is visible, the tokens are not
     assert recs[0].t <= recs[1].t
     assert "w1" not in trace.read_text()
+
+
+def test_a_worker_whose_socket_folder_is_refused_keeps_no_store(tiny_model, tmp_path, monkeypatch):
+    """The worker's StoreServer refuses an unsafe socket folder (here a file where the folder goes)
+    after the store was made: the engine does not start, and the store, its threads and its pool
+    are released, not left to a process that goes on (an LLM built again)."""
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / f"kvstore-{os.getuid()}").write_text("not a folder")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    before = {t.ident for t in threading.enumerate()}
+    from kvstore.offload.sockdir import SocketTrustError
+
+    with pytest.raises(SocketTrustError, match="it is not a folder"):
+        Engine(tiny_model, str(tmp_path / "nvme"))
+    assert shared_mod.live() == []
+    assert not [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("kvstore")]

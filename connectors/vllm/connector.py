@@ -176,9 +176,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # rank 0 announces (every rank stores the same blocks): only its store keeps the journals
             self.shared = acquire_shared(name, self.config, self.fingerprint, block_bytes, self.block_size,
                                          events=self.events_on and self.fingerprint.tp_rank == 0)
-            self.mover = Mover(self.shared, async_saves=self.config.io.async_saves,
-                               async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
-            self.server = StoreServer(self.shared, name)
+            mover = None
+            try:
+                mover = Mover(self.shared, async_saves=self.config.io.async_saves,
+                              async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
+                self.server = StoreServer(self.shared, name)  # may refuse its folder: SocketTrustError
+            except BaseException:  # a process that goes on (an LLM built again) keeps no store, threads or port
+                if mover is not None:
+                    mover.close()
+                release_shared(self.shared)
+                self.shared = None
+                raise
+            self.mover = mover
             log.info("%s", sizing_line(self.config, block_bytes, self.block_size, self.fingerprint.model))
             self.clock = HookClock(self.shared.metrics.hooks, "worker")
             # rank 0's counters and gauges on vLLM's /metrics (kvstore.connectors.vllm.stats)
