@@ -5,6 +5,7 @@ keys evicted between lookup and load, corrupt values, a wrong password."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -233,3 +234,71 @@ def test_a_request_asks_redis_once_and_a_miss_asks_a_few_keys(pair, redis_single
     b.flush()
     e0 = _exists_calls(redis_single)
     assert b.remote.leading(b2) == 3 and _exists_calls(redis_single) == e0
+
+
+@pytest.mark.parametrize("dram", [0, 2])  # DRAM off: NVMe is the top; 2 slots for 6 blocks: put overflows to NVMe
+def test_a_put_leaves_nothing_that_reads_the_callers_rows_after_it_returns(tmp_path, redis_single, monkeypatch,  # noqa: F811
+                                                                          dram):
+    """Blocks ``put`` writes into NVMe were copied to Redis (write-through) in the background from
+    the caller's own rows: a caller that reused its buffer once put returned got the new bytes
+    stored in Redis under the old keys, with a good checksum: wrong KV for every engine."""
+    from kvstore.tiers.redis import RedisTier
+
+    keys = make_keys(6, seed=77)
+    a = _store(tmp_path, "a", redis_single, dram=dram, monkeypatch=monkeypatch)
+    b = _store(tmp_path, "b", redis_single, dram=0, nvme=0)  # reads Redis only
+    slow = RedisTier.write_many
+
+    def late(self, entries, srcs):  # the copy runs a moment after put returned
+        time.sleep(0.3)
+        return slow(self, entries, srcs)
+
+    monkeypatch.setattr(RedisTier, "write_many", late)
+    try:
+        rows = blocks_for(keys)
+        assert a.put(keys, rows) == 6
+        rows[:] = 0  # the caller reuses its buffer
+        a.flush()
+        out = np.zeros((6, BLOCK), np.uint8)
+        got = b.get(keys, out)
+        assert got == 6 and np.array_equal(out, blocks_for(keys)), got
+    finally:
+        a.close()
+        b.close()
+
+
+def test_staged_copies_to_a_slow_remote_are_capped_and_counted(tmp_path, redis_single, monkeypatch):  # noqa: F811
+    """DRAM off: a store's blocks are staged in private buffers, written to NVMe, then copied to
+    Redis in the background, each copy holding its buffers. A Redis slower than the stores (yet
+    under its deadline) queued them without end; past the cap a copy is skipped and counted."""
+    from kvstore.store import moves as moves_mod
+    from kvstore.tiers.redis import RedisTier
+
+    monkeypatch.setattr(moves_mod, "STAGED_MAX_BYTES", 4 * BLOCK)
+    gate = threading.Event()
+    slow = RedisTier.write_many
+
+    def stuck(self, entries, srcs):
+        gate.wait(10)
+        return slow(self, entries, srcs)
+
+    monkeypatch.setattr(RedisTier, "write_many", stuck)
+    a = _store(tmp_path, "a", redis_single, dram=0, monkeypatch=monkeypatch)
+    try:
+        peak = 0
+        for r in range(6):  # 6 stores of 2 blocks while Redis takes none
+            keys = make_keys(2, seed=300 + r)
+            h = a.begin_store(keys)
+            for v, b in zip(h.views, blocks_for(keys)):
+                v[:] = b
+            assert a.end_store(h) == 2  # stored in NVMe all the same
+            peak = max(peak, a.moves._staged)
+        assert peak <= 4 * BLOCK
+        assert M(a, "kvstore_tier_skipped_blocks_total", tier="remote", reason="backlog") == 8  # 2 of 6 copies went
+        gate.set()
+        a.flush()
+        assert a.moves._staged == 0
+        assert M(a, "kvstore_tier_written_bytes_total", tier="remote") == 4 * BLOCK
+    finally:
+        gate.set()
+        a.close()

@@ -61,7 +61,8 @@ class Move:
 @dataclass(slots=True)
 class Plan:
     """What a chain call decided: the moves to run and what it counted, as (event, tier, blocks)
-    with event one of ``evicted``, ``expired``, ``no_slot``, ``pinned``, ``not_admitted``."""
+    with event one of ``evicted``, ``expired``, ``no_slot``, ``pinned``, ``not_admitted`` (and the
+    movers' ``backlog``)."""
 
     moves: list = field(default_factory=list)
     counts: list = field(default_factory=list)

@@ -31,6 +31,7 @@ class StoreHandle:
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
     ttl: float | None = None  # the request's retention hint (idle TTL in every tier), None = the config's
+    borrowed: bool = False  # views are the caller's own rows (put): nothing may read them after end_store
 
 
 @dataclass

@@ -73,7 +73,8 @@ class StoreMetrics:
         self.promotions = Counter("kvstore_promoted_blocks", "Blocks copied up from NVMe to DRAM", registry=r)
         self.skipped = Counter("kvstore_tier_skipped_blocks", "Blocks not stored in a tier, by reason (no_slot: "
                                "every free DRAM slot held by a demotion in flight or a pin; pinned: every index "
-                               "entry held by a write or a pin; never waited for)",
+                               "entry held by a write or a pin; backlog: a write-through copy from staged "
+                               "buffers while 512 MiB of them are in flight; never waited for)",
                                ["tier", "reason"], registry=r)
         self.remote_up = Gauge("kvstore_remote_up", "1 while the remote tier (Redis / Valkey) answers, 0 from a "
                                "failure until a call succeeds again (its lookups and loads miss during the "
@@ -153,7 +154,7 @@ class StoreMetrics:
                 self.evictions.labels(tier).inc(n)
             elif event == "expired":
                 self.expirations.labels(tier).inc(n)
-            else:  # no_slot, pinned, not_admitted
+            else:  # no_slot, pinned, not_admitted, backlog
                 self.skipped.labels(tier, event).inc(n)
 
     def wrote(self, tier: str, ok: int, failed: int = 0, seconds: float | None = None) -> None:

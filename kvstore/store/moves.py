@@ -34,6 +34,13 @@ from kvstore.tiers.index import Entry
 
 log = logging.getLogger(__name__)
 
+# Write-through copies from staged buffers (a store whose top tier has no slots: DRAM off, or a
+# put's blocks written straight to NVMe) hold their buffers until the copy ends. A remote tier
+# slower than the stores (yet under its deadline) would queue them without end; past this many
+# bytes in flight a copy is skipped and counted (kvstore_tier_skipped_blocks{reason="backlog"}).
+# Copies from DRAM slots need no cap: they pin slots, which DRAM's size bounds.
+STAGED_MAX_BYTES = 512 << 20
+
 
 class Moves:
     def __init__(self, chain: TierChain, sink: StoreMetrics, *, block_bytes: int, io_threads: int = 4,
@@ -47,6 +54,7 @@ class Moves:
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-prefetch")
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
+        self._staged = 0  # bytes of staged buffers held by write-through copies in flight
 
     # -- the pool ----------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args) -> Future | None:
@@ -103,9 +111,11 @@ class Moves:
         self._io.shutdown(wait=True)
 
     # -- the chain's moves -------------------------------------------------------------------------
-    def run(self, plan: Plan) -> int:
+    def run(self, plan: Plan, *, borrowed: bool = False) -> int:
         """Count what the plan counted; start its moves (background ones on the pool). Returns
-        the blocks its foreground moves wrote."""
+        the blocks its foreground moves wrote. ``borrowed``: the copies' staged buffers are the
+        caller's (``put``'s rows), so those copies end before this returns: nothing reads a
+        caller's buffer once its call is over."""
         self.sink.plan(plan)
         moves, plan.moves, plan.counts = plan.moves, [], []
         n = 0
@@ -118,7 +128,10 @@ class Moves:
             elif m.kind == DEMOTE:
                 n += self._demote(m)
             elif m.kind == COPY:
-                self._copy(m)
+                if borrowed and m.views is not None:
+                    self._copy_now(m)
+                else:
+                    self._copy(m)
         return n
 
     def _parts(self, t: Tier, n: int) -> list[range]:
@@ -156,11 +169,39 @@ class Moves:
 
     def _copy(self, m: Move) -> None:
         """Write-through: a job per part into files, one batch into a batched medium."""
+        parts = ([(self._copy_part, m, list(p)) for p in self._parts(m.dst, len(m.pairs))] if m.dst.fan_out
+                 else [(self._copy_batch, m)] if m.pairs else [])
+        staged = sum(v.nbytes for v in m.views if v is not None) if m.views is not None else 0
+        if staged:  # private staged buffers: bounded bytes in flight
+            with self._lock:
+                room = self._staged + staged <= STAGED_MAX_BYTES
+                if room:
+                    self._staged += staged
+            if not room:
+                self.chain.copied(m, [False] * len(m.pairs))  # reservations released, nothing published
+                self.sink.plan(Plan(counts=[("backlog", m.dst.name, len(m.pairs))]))
+                return
+            left = [len(parts)]
+
+            def job(fn, *args):
+                try:
+                    return fn(*args)
+                finally:
+                    with self._lock:  # the buffers go once the move's last part has ended
+                        left[0] -= 1
+                        if left[0] == 0:
+                            self._staged -= staged
+
+            parts = [(job, *p) for p in parts]
+        for fn, *args in parts:
+            self.submit(fn, *args)
+
+    def _copy_now(self, m: Move) -> None:
+        """A copy from the caller's buffers, while the caller waits."""
         if m.dst.fan_out:
-            for part in self._parts(m.dst, len(m.pairs)):
-                self.submit(self._copy_part, m, list(part))
+            self._map([lambda p=list(part): self._copy_part(m, p) for part in self._parts(m.dst, len(m.pairs))])
         elif m.pairs:
-            self.submit(self._copy_batch, m)
+            self._copy_batch(m)
 
     def _source(self, m: Move, i: int) -> np.ndarray | None:
         """Block ``i`` of a copy: the caller's staged buffer, or the source slot (the whole padded,

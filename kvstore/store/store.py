@@ -162,7 +162,7 @@ class KVStore:
             entries = self.chain.reserve(below, ks, plan, ttl_s)
             self.moves.run(plan)
             h2 = StoreHandle(ks, entries, [rows[j] if e is not None else None for j, e in zip(rest, entries)],
-                             below, ttl=ttl_s)
+                             below, ttl=ttl_s, borrowed=True)
             n += self.end_store(h2, True)
         return n
 
@@ -182,11 +182,11 @@ class KVStore:
         self.moves.run(plan)
         if top.addressable:
             views = [top.view(e) if e is not None else None for e in entries]
-        elif rows is not None:  # put: the caller's rows are written as they are
+        elif rows is not None:  # put: the caller's rows are written as they are (borrowed, below)
             views = [r if e is not None else None for e, r in zip(entries, rows)]
         else:  # a tier without slots: staged in private buffers, written at end_store
             views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
-        return StoreHandle(keys, entries, views, top, ttl=ttl)
+        return StoreHandle(keys, entries, views, top, ttl=ttl, borrowed=rows is not None and not top.addressable)
 
     def end_store(self, h: StoreHandle, ok: bool | Sequence[bool] = True) -> int:
         """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored."""
@@ -208,7 +208,8 @@ class KVStore:
         self.chain.committed(tier, h.entries, oks, plan, None if tier.addressable else h.views, h.ttl)
         n = sum(oks)
         self.metrics.wrote(tier.name, n, 0, time.perf_counter() - h.started)
-        self.moves.run(plan)  # write-through copies, in the background
+        # write-through copies: in the background, unless they read the caller's rows (put's)
+        self.moves.run(plan, borrowed=h.borrowed)
         self._update_gauges()
         return n
 
