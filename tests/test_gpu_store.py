@@ -263,3 +263,44 @@ def test_async_save_is_ordered_after_the_kernel_that_writes_the_blocks(tmp_path)
         if mover is not None:
             mover.close()
         release_shared(shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_a_gather_that_fails_after_queueing_work_is_waited_for_before_its_slots_go():
+    """A gather can raise after part of its work is queued on the side stream (a chunk's DMA, then
+    an error on the next). Its DRAM slots go back to the pool at end_store; the queued part must
+    have ended by then, or it lands in a slot another store took (wrong KV under that key)."""
+    gen = torch.Generator().manual_seed(41)
+    caches, layout = _paged_cache("cuda", gen)
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(64, layout.block_bytes), "pin_memory": True}}})
+    fp = ModelFingerprint(model="gpu-drain", dtype="bfloat16", block_size=BS, num_layers=L, num_kv_heads=H,
+                          head_size=D, layout=layout.fingerprint())
+    shared = acquire_shared("gpu-test/drain", cfg, fp, layout.block_bytes, BS)
+    mover = None
+    try:
+        mover = Mover(shared, async_saves=True, async_loads=True)
+        mover.register(caches, layout)
+        seen = []
+        real_end = shared.store.end_store
+
+        def end_store(h, ok=True):
+            seen.append((ok, mover._streams["store"].query()))  # True: nothing queued is left
+            return real_end(h, ok)
+
+        def gather(ids, slots, stream=None, ctas=None, **kw):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(600_000_000)  # ~0.3 s of queued work, then the failure
+            raise RuntimeError("a later chunk failed")
+
+        shared.store.end_store = end_store
+        for c in mover.copiers:
+            c.gather = gather
+        keys = chain_keys(shared.store.root, list(range(9000, 9000 + 8 * BS)), BS)
+        mover.save(StepPlan(stores=[StorePlan("a", list(range(8)), keys, start=0)], step=1))
+        assert mover.jobs.wait_idle(30)
+        assert seen == [(False, True)], seen
+    finally:
+        if mover is not None:
+            mover.close()
+        release_shared(shared)

@@ -606,3 +606,47 @@ def test_default_pinning_does_not_import_torch(tmp_path):
             "assert s.dram is not None and not s.dram.pool.pinned; s.close(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path / "c")], check=True, timeout=60)
+
+
+def test_a_part_that_raises_leaves_no_other_part_running_after_put_returns(tmp_path, monkeypatch):
+    """A put into NVMe (DRAM off) is cut into one part per I/O thread. A part that raised made
+    every part run again here while the others still ran on the pool: put returned, the caller
+    reused its rows, and a late part wrote the new bytes under the old key with a good checksum.
+    Now the raising part's blocks fail (counted), and put returns once every part has ended."""
+    import threading
+
+    from kvstore.tiers.nvme import NvmeTier
+
+    keys = make_keys(8, seed=61)
+    s = KVStore(tiny_config(tmp_path / "c", dram_blocks=0, io_threads=4, engine="off"), block_bytes=BLOCK,
+                fingerprint=FP, block_tokens=16)
+    real, raised, ended = NvmeTier.write, [], []
+
+    def write(self, e, src):
+        if e.key == keys[0] and not raised:
+            raised.append(1)
+            raise RuntimeError("a part's own error")
+        if e.key == keys[1] and threading.current_thread().name.startswith("kvstore-io"):
+            time.sleep(0.3)  # a part still running when another raised
+            ok = real(self, e, src)
+            ended.append(time.monotonic())
+            return ok
+        return real(self, e, src)
+
+    monkeypatch.setattr(NvmeTier, "write", write)
+    try:
+        rows = blocks_for(keys)
+        n = s.put(keys, rows)
+        returned = time.monotonic()
+        rows[:] = 0  # the caller reuses its buffer
+        time.sleep(0.5)
+        assert raised and ended and ended[0] <= returned  # every part ended before put returned
+        assert n == 6  # the raising part's two blocks (keys 0 and 4) failed, the rest stored
+        for i, k in enumerate(keys):
+            out = np.zeros((1, BLOCK), np.uint8)
+            if s.get([k], out):
+                assert np.array_equal(out[0], block_for(k)), i
+            else:
+                assert i in (0, 4)
+    finally:
+        s.close()

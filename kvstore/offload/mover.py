@@ -108,6 +108,21 @@ class Mover:
         log.warning("kvstore: %s failed (%s: %s); the engine recomputes, nothing wrong is stored",
                     op, type(e).__name__, e)
 
+    def _drain(self, stream) -> None:
+        """After a copy that raised: wait for whatever it had enqueued on the GPU before its slots
+        or the engine's blocks are given back. A copy can fail after part of its work was queued
+        (a chunk's DMA, then an error on the next); that part would otherwise land in a DRAM slot
+        another store has taken, or in blocks vLLM recomputes. No-op on CPU (copies are done on
+        return)."""
+        if self.copier is None or self.copier.device != "cuda":
+            return
+        try:
+            import torch
+
+            (stream if stream is not None else torch.cuda.current_stream(self.copier.device_index)).synchronize()
+        except Exception as e:  # the context itself failed: nothing more can land
+            log.warning("kvstore: waiting for the GPU after a failed copy failed too: %s", e)
+
     def _stream(self, kind: str):
         """The CUDA stream for async ``kind`` ("load", "store") copies; None on CPU. Loads get the
         higher priority: their requests wait for them."""
@@ -182,6 +197,7 @@ class Mover:
                 if ev is not None:
                     ev.synchronize()  # complete (and its errors raised) before the pins go
         except Exception as e:
+            self._drain(stream)
             self._error("scatter", e)
             failed.update(dst_ids)
             lost += len(dst_ids)
@@ -223,6 +239,7 @@ class Mover:
                         ev.synchronize()
                 ok = True
         except Exception as e:
+            self._drain(stream)
             self._error("load", e)
         finally:
             if h is not None:
@@ -334,6 +351,7 @@ class Mover:
                     if ev is not None:
                         ev.synchronize()  # a copy error is raised here, and the store is abandoned
         except Exception as e:
+            self._drain(stream)
             self._error("gather", e)
             ok = False
         try:

@@ -96,15 +96,42 @@ class Moves:
                 f.result()
 
     def _map(self, fns: list[Callable[[], object]]) -> list:
-        """Run on the pool while the caller waits (a single job runs here)."""
+        """Run on the pool while the caller waits (a single job runs here). Returns, or raises the
+        first error, only once every part has ended: a part still running after its call is over
+        would read the caller's rows or write into its buffers (or into slots given back) later.
+        A part the pool refuses (shut down: interpreter exit) runs here; no part runs twice (this
+        re-ran every part here on any RuntimeError, a part's own included, while the others still
+        ran on the pool)."""
         if not fns:
             return []
         if len(fns) == 1:
             return [fns[0]()]
+        futs: list[Future | None] = []
+        for f in fns:
+            try:
+                futs.append(self._io.submit(f))
+            except RuntimeError:  # the pool is shut down
+                futs.append(None)
+        out, err = [], None
+        for f, fn in zip(futs, fns):
+            try:
+                out.append(fn() if f is None else f.result())
+            except BaseException as e:  # the others are still waited for
+                err = err or e
+                out.append(None)
+        if err is not None:
+            raise err
+        return out
+
+    @staticmethod
+    def _part(t: Tier, op: str, fn: Callable[[], Sequence], n: int) -> Sequence:
+        """One part of the caller's writes or reads: an exception (not a medium's own failure,
+        which is False) fails that part's blocks, counted by the caller, never the whole call."""
         try:
-            return list(self._io.map(lambda f: f(), fns))
-        except RuntimeError:  # the pool is shut down (interpreter exit): do it here
-            return [f() for f in fns]
+            return fn()
+        except Exception as ex:
+            log.warning("kvstore: %s of %d blocks in %s failed: %s", op, n, t.name, ex)
+            return [False] * n
 
     def shutdown(self) -> None:
         self._bg.shutdown(wait=True)
@@ -250,12 +277,13 @@ class Moves:
             return oks
         if t.fan_out:
             parts = [[idx[k] for k in part] for part in self._parts(t, len(idx))]
-            done = self._map([lambda p=p: t.write_many([entries[i] for i in p], [views[i] for i in p])
-                              for p in parts])
+            done = self._map([lambda p=p: self._part(t, "writing", lambda: t.write_many(
+                [entries[i] for i in p], [views[i] for i in p]), len(p)) for p in parts])
             got = {i: r for p, rs in zip(parts, done) for i, r in zip(p, rs)}
             res = [got[i] for i in idx]
         else:
-            res = t.write_many([entries[i] for i in idx], [views[i] for i in idx])
+            res = self._part(t, "writing", lambda: t.write_many([entries[i] for i in idx], [views[i] for i in idx]),
+                             len(idx))
         out = list(oks)
         for i, r in zip(idx, res):
             out[i] = bool(r)
@@ -268,7 +296,8 @@ class Moves:
         """Read pinned blocks of ``t`` into ``dsts`` while the caller waits."""
         if t.fan_out:
             parts = self._parts(t, len(entries))
-            done = self._map([lambda p=p: t.read_many([entries[i] for i in p], [dsts[i] for i in p]) for p in parts])
+            done = self._map([lambda p=p: self._part(t, "reading", lambda: t.read_many(
+                [entries[i] for i in p], [dsts[i] for i in p]), len(p)) for p in parts])
             out = [False] * len(entries)
             for p, rs in zip(parts, done):
                 for i, r in zip(p, rs):
