@@ -11,6 +11,8 @@ cleanly without a GPU.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -42,6 +44,26 @@ def _block_bytes(caches, ids) -> torch.Tensor:
     """Engine blocks ``ids`` as bytes on the CPU: [n, layer, k/v, token, head, dim]."""
     idx = torch.as_tensor(list(ids), device=caches[0].device)
     return torch.stack([c.index_select(1, idx).transpose(0, 1) for c in caches], 1).view(torch.uint8).cpu()
+
+
+@contextmanager
+def _async_mover(name: str, gen: torch.Generator):
+    """A CUDA paged cache, a store with a pinned 64-block DRAM tier, and a Mover with async saves
+    and loads over it: (caches, shared store, mover); closed and released after."""
+    caches, layout = _paged_cache("cuda", gen)
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(64, layout.block_bytes), "pin_memory": True}}})
+    fp = ModelFingerprint(model=f"gpu-{name}", dtype="bfloat16", block_size=BS, num_layers=L, num_kv_heads=H,
+                          head_size=D, layout=layout.fingerprint())
+    shared = acquire_shared(f"gpu-test/{name}", cfg, fp, layout.block_bytes, BS)
+    mover = None
+    try:
+        mover = Mover(shared, async_saves=True, async_loads=True)
+        mover.register(caches, layout)
+        yield caches, shared, mover
+    finally:
+        if mover is not None:
+            mover.close()
+        release_shared(shared)
 
 
 @pytest.mark.parametrize("design", ["sync", "async"])
@@ -224,15 +246,7 @@ def test_async_save_is_ordered_after_the_kernel_that_writes_the_blocks(tmp_path)
     stream's gathers wait on the compute stream's event, so the store holds the new bytes, never
     the blocks' old contents (which a gather that ran at once would read)."""
     gen = torch.Generator().manual_seed(28)
-    caches, layout = _paged_cache("cuda", gen)
-    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(64, layout.block_bytes), "pin_memory": True}}})
-    fp = ModelFingerprint(model="gpu-order", dtype="bfloat16", block_size=BS, num_layers=L, num_kv_heads=H,
-                          head_size=D, layout=layout.fingerprint())
-    shared = acquire_shared("gpu-test/order", cfg, fp, layout.block_bytes, BS)
-    mover = None
-    try:
-        mover = Mover(shared, async_saves=True, async_loads=True)
-        mover.register(caches, layout)
+    with _async_mover("order", gen) as (caches, shared, mover):
         for r in range(3):  # round 0 without the slow kernel: the copy path's first allocations
             n = 16
             src_ids, dst_ids = list(range(n)), list(range(NB - n, NB))
@@ -259,10 +273,6 @@ def test_async_save_is_ordered_after_the_kernel_that_writes_the_blocks(tmp_path)
             assert mover.get_finished(set()) == (None, {"b"})
             want = torch.stack([v.transpose(0, 1) for v in new], 1).view(torch.uint8).cpu()
             assert torch.equal(_block_bytes(caches, dst_ids), want), f"round {r}: the store holds the old bytes"
-    finally:
-        if mover is not None:
-            mover.close()
-        release_shared(shared)
 
 
 @pytest.mark.gpu
@@ -271,16 +281,7 @@ def test_a_gather_that_fails_after_queueing_work_is_waited_for_before_its_slots_
     """A gather can raise after part of its work is queued on the side stream (a chunk's DMA, then
     an error on the next). Its DRAM slots go back to the pool at end_store; the queued part must
     have ended by then, or it lands in a slot another store took (wrong KV under that key)."""
-    gen = torch.Generator().manual_seed(41)
-    caches, layout = _paged_cache("cuda", gen)
-    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(64, layout.block_bytes), "pin_memory": True}}})
-    fp = ModelFingerprint(model="gpu-drain", dtype="bfloat16", block_size=BS, num_layers=L, num_kv_heads=H,
-                          head_size=D, layout=layout.fingerprint())
-    shared = acquire_shared("gpu-test/drain", cfg, fp, layout.block_bytes, BS)
-    mover = None
-    try:
-        mover = Mover(shared, async_saves=True, async_loads=True)
-        mover.register(caches, layout)
+    with _async_mover("drain", torch.Generator().manual_seed(41)) as (caches, shared, mover):
         seen = []
         real_end = shared.store.end_store
 
@@ -300,7 +301,3 @@ def test_a_gather_that_fails_after_queueing_work_is_waited_for_before_its_slots_
         mover.save(StepPlan(stores=[StorePlan("a", list(range(8)), keys, start=0)], step=1))
         assert mover.jobs.wait_idle(30)
         assert seen == [(False, True)], seen
-    finally:
-        if mover is not None:
-            mover.close()
-        release_shared(shared)
