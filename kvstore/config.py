@@ -31,12 +31,15 @@ works from any folder.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 from kvstore import configfields as F
 from kvstore.configfields import ConfigError
@@ -296,6 +299,7 @@ def merge(base: Mapping, override: Mapping) -> dict:
 
 
 ENV_PREFIX = "KVSTORE__"
+_warned_env: set[str] = set()
 
 
 class _Loader(yaml.SafeLoader):
@@ -340,10 +344,13 @@ def env_overrides(environ: Mapping[str, str]) -> dict:
     out: dict = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
-            if name.startswith("KVSTORE_") and "__" in name:  # KVSTORE_TIERS__DRAM__...: one _ short
-                raise ConfigError(name, "<not shown>", f"{ENV_PREFIX}SECTION__KEY (two underscores after KVSTORE; "
-                                  f"did you mean {ENV_PREFIX}{name[len('KVSTORE_'):].lstrip('_')}?)",
-                                  "an environment variable that looks like a config override but is not read")
+            if name.startswith("KVSTORE_") and "__" in name and name not in _warned_env:
+                # KVSTORE_TIERS__DRAM__...: one underscore short. Warned, not refused: another tool's
+                # KVSTORE_DB__HOST must not stop an engine
+                _warned_env.add(name)
+                log.warning("kvstore: the environment variable %s is not read: a config override is "
+                            "%sSECTION__KEY (did you mean %s%s?)", name, ENV_PREFIX, ENV_PREFIX,
+                            name[len("KVSTORE_"):].lstrip("_"))
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
         if not parts:

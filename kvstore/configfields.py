@@ -126,7 +126,7 @@ def url_problem(u: str, cluster: bool) -> str | None:
     """What the remote tier could not use in one url (None: nothing); it takes host, port and db."""
     if "\0" in u:
         return "a NUL byte"
-    if any(c.isspace() or ord(c) < 32 or c == "%" for c in u):
+    if any(c.isspace() or ord(c) < 32 for c in u) or "%" in re.sub(r"\[[^\]]*\]", "", u):
         return "whitespace, a control character or a %-escape, which no host, port or db has"
     try:
         s = urlsplit(u)

@@ -103,6 +103,18 @@ def read_trace(path: str | os.PathLike) -> Iterator[TraceRecord]:
                 yield parse_line(line, i)
 
 
+def own_link(path: str | os.PathLike) -> bool:
+    """Is ``path`` a symlink of this user's (which is followed; another user's is refused)?"""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
+
+
+FLUSH_BYTES = 1 << 16  # lines are appended once this many bytes (or flush_every lines) are buffered
+
+
 class TraceWriter:
     """Appends records to a JSONL file; thread-safe; buffered (cheap on the hot path).
 
@@ -128,10 +140,10 @@ class TraceWriter:
                 pass
         self.path = os.fspath(path)
         # 0600 when it creates the file (a trace names sessions and prompt hashes); never through a
-        # symlink planted at the name (O_NOFOLLOW), never blocking on a FIFO (O_NONBLOCK, then a
-        # regular file is required)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-                     | os.O_NONBLOCK, 0o600)
+        # symlink another user planted at the name (O_NOFOLLOW; this user's own link is the
+        # operator's choice), never blocking on a FIFO (O_NONBLOCK, then a regular file is required)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
+                     | (0 if own_link(self.path) else os.O_NOFOLLOW), 0o600)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", self.path)
@@ -141,6 +153,7 @@ class TraceWriter:
             raise
         self._fd = fd
         self._buf: list[str] = []
+        self._bytes = 0
         self._lock = threading.Lock()
         self.flush_every = flush_every
         self._recorded = recorded
@@ -159,26 +172,28 @@ class TraceWriter:
                 line = line[:-1] + ',"recorded":' + json.dumps(self._recorded, separators=(",", ":")) + "}"
                 self._recorded = None
             self._buf.append(line + "\n")
-            if len(self._buf) >= self.flush_every:
+            self._bytes += len(line) + 1
+            if len(self._buf) >= self.flush_every or self._bytes >= FLUSH_BYTES:  # a line with tokens: ~1 MB
                 self._flush()
 
     def _flush(self) -> None:
         """Append the buffered lines (under the lock); a failure drops them (see the class doc)."""
-        lines, self._buf = self._buf, []
+        lines, self._buf, self._bytes = self._buf, [], 0
         if not lines:
             return
-        data, start = memoryview("".join(lines).encode()), None
+        data, start, sent = memoryview("".join(lines).encode()), None, 0
         try:
             start = os.fstat(self._fd).st_size
             while data:
-                data = data[os.write(self._fd, data):]
+                k = os.write(self._fd, data)
+                data, sent = data[k:], sent + k
         except OSError as e:
             self.dropped += len(lines)
-            if start is not None:
-                try:
-                    os.ftruncate(self._fd, start)  # no torn line
-                except OSError:
-                    pass
+            try:  # no torn line; only where nothing else was appended since (another engine's lines)
+                if start is not None and sent and os.fstat(self._fd).st_size == start + sent:
+                    os.ftruncate(self._fd, start)
+            except OSError:
+                pass
             if not self._failing:
                 log.warning("kvstore: trace_path %s: a write failed (%s); its %d lines are dropped, and so "
                             "is every line until a write succeeds (counted)", self.path, e.strerror or e, len(lines))

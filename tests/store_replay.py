@@ -25,13 +25,15 @@ from kvstore.tune.trace_memory import Trace
 
 class _Deferred(Future):
     def result(self, timeout=None):
-        self.ex.run()
+        if not self.done():  # waited for: it runs now, alone (the others keep their turn)
+            self.ex.run_one(self)
         return super().result(timeout)
 
 
 class DeferredExecutor(Executor):
-    """``submit`` queues a job, run (in order) at :meth:`run` or when its result is asked for;
-    ``map`` runs at once (the store's own batched reads and writes)."""
+    """``submit`` queues a job, run (in order) at :meth:`run`; a job whose result is asked for
+    runs at once, alone (the store's own batched reads and writes, which it waits for:
+    ``Moves._map``), as does ``map``."""
 
     def __init__(self) -> None:
         self.queue: list = []
@@ -47,11 +49,21 @@ class DeferredExecutor(Executor):
 
     def run(self) -> None:
         while self.queue:
-            f, fn, args, kw = self.queue.pop(0)
-            try:
-                Future.set_result(f, fn(*args, **kw))
-            except BaseException as e:  # noqa: BLE001
-                f.set_exception(e)
+            self._run(*self.queue.pop(0))
+
+    def run_one(self, f) -> None:
+        for i, job in enumerate(self.queue):
+            if job[0] is f:
+                del self.queue[i]
+                self._run(*job)
+                return
+
+    @staticmethod
+    def _run(f, fn, args, kw) -> None:
+        try:
+            Future.set_result(f, fn(*args, **kw))
+        except BaseException as e:  # noqa: BLE001
+            f.set_exception(e)
 
     def shutdown(self, wait=True, **kw) -> None:
         self.run()

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvstore.config import from_dict
 from kvstore.store import KVStore
+from kvstore.tiers.nvme import folder as folder_mod
 from kvstore.tiers.nvme.folder import LOCK_NAME, TEMP_PREFIX, make_temp_folder, sweep_temp_folders
 from tests.conftest import BLOCK, FP
 
@@ -42,6 +43,7 @@ def _temp_folders(tmp: Path) -> list[Path]:
 
 
 def test_a_killed_stores_folder_is_removed_by_the_next_store_and_a_live_ones_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(folder_mod, "YOUNG_S", 0.0)  # the killed store's folder is seconds old here
     dead = _child(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
     assert dead.stdout.readline().strip() == "ready"
     dead.wait(timeout=60)
@@ -84,6 +86,7 @@ def test_the_sweep_touches_nothing_that_is_not_a_private_folder_of_this_user(tmp
 
 
 def test_a_temporary_folder_is_not_persisted_into_at_close(tmp_path, monkeypatch):
+    monkeypatch.setattr(folder_mod, "YOUNG_S", 0.0)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     cfg = from_dict({"tiers": {"dram": {"capacity_gb": 0.001}, "nvme": {"path": None, "capacity_gb": 0.01}}})
     s = KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=16)
@@ -98,3 +101,15 @@ def test_a_temporary_folder_is_not_persisted_into_at_close(tmp_path, monkeypatch
     finally:
         os.close(fd)
     assert sweep_temp_folders(str(tmp_path)) == 1
+
+
+def test_a_folder_whose_lock_was_just_made_is_left_alone(tmp_path):
+    """Between making a folder's lock file and locking it, its owner holds no lock: a store
+    starting at that moment (another tensor-parallel rank) must not take the folder for a dead
+    one. A lock file younger than YOUNG_S is left alone."""
+    young = tmp_path / f"{TEMP_PREFIX}young"
+    young.mkdir(mode=0o700)
+    (young / LOCK_NAME).write_text("")  # made, not yet locked
+    assert sweep_temp_folders(str(tmp_path)) == 0 and young.exists()
+    os.utime(young / LOCK_NAME, (0, 0))  # mtime only: ctime stays now, and the sweep reads ctime
+    assert sweep_temp_folders(str(tmp_path)) == 0 and young.exists()

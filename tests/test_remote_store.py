@@ -302,3 +302,24 @@ def test_staged_copies_to_a_slow_remote_are_capped_and_counted(tmp_path, redis_s
     finally:
         gate.set()
         a.close()
+
+
+def test_one_staged_copy_larger_than_the_cap_goes_when_nothing_else_is_in_flight(tmp_path, redis_single,  # noqa: F811
+                                                                                  monkeypatch):
+    """A long prefill's step can stage more than the cap in one move (512 blocks of 2 MiB): it
+    must not be skipped for that alone."""
+    from kvstore.store import moves as moves_mod
+
+    monkeypatch.setattr(moves_mod, "STAGED_MAX_BYTES", BLOCK)
+    a = _store(tmp_path, "a", redis_single, dram=0, monkeypatch=monkeypatch)
+    try:
+        keys = make_keys(4, seed=400)
+        h = a.begin_store(keys)
+        for v, b in zip(h.views, blocks_for(keys)):
+            v[:] = b
+        assert a.end_store(h) == 4
+        a.flush()
+        assert M(a, "kvstore_tier_written_bytes_total", tier="remote") == 4 * BLOCK
+        assert M(a, "kvstore_tier_skipped_blocks_total", tier="remote", reason="backlog") == 0
+    finally:
+        a.close()

@@ -4,6 +4,7 @@ scheduler, and leaves no torn line for ``kvstore tune``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,19 +14,39 @@ import pytest
 from kvstore.trace import TraceWriter, read_trace
 
 
-def test_a_trace_file_is_private_and_never_written_through_a_planted_link(tmp_path):
+def test_a_trace_file_is_private_and_its_folders_too(tmp_path):
     w = TraceWriter(tmp_path / "a" / "b" / "t.jsonl")
     w.write(0.0, "s", [b"k" * 16], 16, 16, 1)
     w.close()
     assert (tmp_path / "a" / "b" / "t.jsonl").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "a").stat().st_mode & 0o777 == 0o700 and (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
+
+
+def test_this_users_own_link_is_followed(tmp_path):
+    target = tmp_path / "data" / "t.jsonl"
+    target.parent.mkdir()
+    (tmp_path / "t.jsonl").symlink_to(target)  # the operator's choice
+    w = TraceWriter(tmp_path / "t.jsonl")
+    w.write(0.0, "s", [b"k" * 16], 16, 16, 1)
+    w.close()
+    assert len(list(read_trace(target))) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: to make a link owned by another user")
+def test_a_link_another_user_planted_is_never_written_through(tmp_path):
+    from kvstore.config import ConfigError  # noqa: F401
+    from kvstore.store import machine
+
     victim = tmp_path / "victim"
     victim.write_text("keep")
-    (tmp_path / "link.jsonl").symlink_to(victim)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(victim)
+    os.lchown(link, 65534, 65534)  # nobody's link, in a folder nobody may write here: as planted
     with pytest.raises(OSError):
-        TraceWriter(tmp_path / "link.jsonl")
+        TraceWriter(link)
     assert victim.read_text() == "keep"
-
+    _, errors = machine.config_errors(overrides={"trace_path": str(link), "tiers": {"dram": {"capacity_gb": 0.1}}})
+    assert [e.key for e in errors] == ["trace_path"] and "another user" in str(errors[0])
 
 def test_a_failed_write_is_dropped_counted_and_cut_back_then_writing_resumes(tmp_path):
     """A file-size limit (RLIMIT_FSIZE, in a child process) makes writes past 4 KiB fail with EFBIG,
@@ -54,3 +75,15 @@ def test_a_failed_write_is_dropped_counted_and_cut_back_then_writing_resumes(tmp
     got = [rec.t for rec in read_trace(path)]  # every line whole: a torn one would raise here
     assert len(got) == 208 - dropped and got[-8:] == [float(i) for i in range(200, 208)]
     assert len(got) - 8 > 0 and all(b - a == 1.0 for a, b in zip(got, got[1:len(got) - 8]))
+
+
+def test_buffered_lines_are_bounded_in_bytes(tmp_path):
+    """flush_every lines, or 64 KiB, whichever comes first: a line with a long prompt's tokens
+    (trace_tokens) is ~1 MB, and 256 of them were held in the scheduler before a write."""
+    w = TraceWriter(tmp_path / "t.jsonl")
+    w.write(0.0, "s", [b"k" * 16], 16, 16, 1, tokens=tuple(range(20000)))  # one line of ~100 KB
+    assert len(list(read_trace(tmp_path / "t.jsonl"))) == 1  # written before close
+    w.write(1.0, "s", [b"k" * 16], 16, 16, 1)
+    assert len(list(read_trace(tmp_path / "t.jsonl"))) == 1  # a small one waits
+    w.close()
+    assert len(list(read_trace(tmp_path / "t.jsonl"))) == 2

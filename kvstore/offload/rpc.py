@@ -213,6 +213,9 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 pass
 
 
+SOCKET_YOUNG_S = 30.0  # a socket younger than this is left alone (its server may not listen yet)
+
+
 def _remove_dead_sockets(fd: int, folder: str) -> int:
     """Unlink the sockets in the (checked, private) folder that nobody serves: a connect is refused.
     A server that ended without closing (SIGKILL, OOM) leaves its socket, and vLLM names a new
@@ -225,8 +228,8 @@ def _remove_dead_sockets(fd: int, folder: str) -> int:
     for name in names:
         try:
             st = os.lstat(name, dir_fd=fd)
-            if not stat.S_ISSOCK(st.st_mode):
-                continue
+            if not stat.S_ISSOCK(st.st_mode) or time.time() - st.st_ctime < SOCKET_YOUNG_S:
+                continue  # a server binds, then listens: a connect in between is refused too
         except OSError:
             continue
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

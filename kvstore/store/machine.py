@@ -227,9 +227,13 @@ def trace_error(cfg: StoreConfig) -> ConfigError | None:
     t = cfg.trace_path
     if t is None:
         return None
+    from kvstore.trace import own_link
+
     allowed = "a file path this process can create or append to (a regular file), or null"
     p = Path(t)
     try:
+        if p.is_symlink() and not own_link(p):
+            return ConfigError("trace_path", t, allowed, "a symlink of another user's, which it never writes through")
         if p.exists():
             if not p.is_file():
                 return ConfigError("trace_path", t, allowed, "it is not a regular file")

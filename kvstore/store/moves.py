@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 # Write-through copies from staged buffers (a store whose top tier has no slots: DRAM off, or a
 # put's blocks written straight to NVMe) hold their buffers until the copy ends. A remote tier
 # slower than the stores (yet under its deadline) would queue them without end; past this many
-# bytes in flight a copy is skipped and counted (kvstore_tier_skipped_blocks{reason="backlog"}).
+# bytes in flight a copy is skipped and counted (kvstore_tier_skipped_blocks{reason="backlog"});
+# a single move larger than that goes when nothing else is in flight (a long prefill's step).
 # Copies from DRAM slots need no cap: they pin slots, which DRAM's size bounds.
 STAGED_MAX_BYTES = 512 << 20
 
@@ -201,7 +202,7 @@ class Moves:
         staged = sum(v.nbytes for v in m.views if v is not None) if m.views is not None else 0
         if staged:  # private staged buffers: bounded bytes in flight
             with self._lock:
-                room = self._staged + staged <= STAGED_MAX_BYTES
+                room = self._staged == 0 or self._staged + staged <= STAGED_MAX_BYTES  # one big move passes
                 if room:
                     self._staged += staged
             if not room:

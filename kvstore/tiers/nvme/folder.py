@@ -19,6 +19,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from itertools import count
 from pathlib import Path
 from typing import Callable
@@ -320,6 +321,7 @@ def probe_writable(dir_fd: int) -> bool:
 
 TEMP_PREFIX = "kvstore-tmp-"  # a tier with no path: its folder in the system's temp folder
 LOCK_NAME = ".owner.lock"  # flocked by the live store that owns a temp folder
+YOUNG_S = 30.0  # a lock file younger than this is left alone (created, then locked a moment later)
 
 
 def make_temp_folder() -> tuple[str, int]:
@@ -358,6 +360,13 @@ def sweep_temp_folders(where: str | None = None) -> int:
             fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
         except OSError:
             continue  # gone, not ours, or no lock file yet (being made: mkdtemp, then the lock)
+        try:
+            young = time.time() - os.fstat(fd).st_ctime < YOUNG_S
+        except OSError:
+            young = True
+        if young:  # its lock file was just made: its owner may not have locked it yet
+            os.close(fd)
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
