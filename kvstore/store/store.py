@@ -20,6 +20,7 @@ holds the public API and the order of a call's steps; it never asks which tiers 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Executor, Future
 from typing import Callable, Sequence
@@ -52,6 +53,9 @@ def _scratch(n: int, block_bytes: int) -> np.ndarray:
         return np.empty((0, block_bytes), np.uint8)
     row = -(-block_bytes // PAGE) * PAGE
     return alloc_aligned(n * row, prefault=False)[1].reshape(n, row)
+
+
+_CLOSING = threading.Lock()  # makes close's check-and-set one step (an fd closed twice may be another's by then)
 
 
 class KVStore:
@@ -443,9 +447,10 @@ class KVStore:
     def close(self, persist: bool = True) -> None:
         """Finish background work, write top-tier-only blocks down (``persist``; not into an NVMe
         folder this store made for itself, which is removed now), free everything."""
-        if self._closed:
-            return
-        self._closed = True  # new calls are refused; queued prefetches still run (internally)
+        with _CLOSING:  # two closers at once (release_shared and the atexit close): one closes
+            if self._closed:
+                return
+            self._closed = True  # new calls are refused; queued prefetches still run (internally)
         try:
             for f in self.moves.pending():  # demotions, write-through copies, removals
                 try:

@@ -38,6 +38,7 @@ overwritten in place by a later write, then renamed into place (:mod:`.pool`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -457,10 +458,12 @@ class NvmeTier(LocalTier):
         pool = getattr(self, "pool", None)
         if pool is not None and self._tmp_fd >= 0:
             pool.drain()  # no space held past the capacity while closed
+        lock = getattr(self, "lock", None)
         for attr in ("_tmp_fd", "_root_fd"):
-            fd = getattr(self, attr, -1)
-            if fd >= 0:
+            with lock if lock is not None else contextlib.nullcontext():  # taken once: never closed twice
+                fd = getattr(self, attr, -1)
                 setattr(self, attr, -1)
+            if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
