@@ -489,8 +489,9 @@ def test_e2e_tiny(tmp_path):
         # the hooks' share of the batch and the kvstore threads' CPU: kvstore's own cost
         assert (r["hook_share"] > 0) == (r["case"] == "kvstore") and 0 <= r["bg_cpu_share"] < 1
         assert r["own_x_vllm"] == pytest.approx(1 - r["hook_share"] - r["bg_cpu_share"])
-        # each batch is timed until its saves end: none left in flight for the next one
-        assert 0 <= r["save_tail_share"] < (0.9 if r["case"] == "kvstore" else 0.01)
+        # each batch is timed until its saves end: none left in flight for the next one; vLLM alone
+        # has no store (none live: nothing waited for)
+        assert 0 < r["save_tail_share"] < 0.9 if r["case"] == "kvstore" else r["save_tail_share"] == 0
     assert all(r["bg_cpu_share"] == 0 for r in nr if r["case"] == "vllm")
     assert all((r["hook_share"] > 0) == (r["case"] == "kvstore") for r in mt)
     goals = data["goals"]
