@@ -302,9 +302,24 @@ ENV_PREFIX = "KVSTORE__"
 _warned_env: set[str] = set()
 
 
+MAX_YAML_DEPTH = 64  # a config is 4 levels deep; PyYAML's own limit is the interpreter's recursion limit
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one
-    silently: a second ``tiers:`` would drop the first one's settings)."""
+    silently: a second ``tiers:`` would drop the first one's settings), and nesting deeper than
+    MAX_YAML_DEPTH. That depth is ours, not the recursion limit's: the limit is whatever the
+    process set last (hypothesis raises it), so 600 levels parsed in one test run and not another."""
+
+    def compose_node(self, parent, index):
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested too deep (more than {MAX_YAML_DEPTH} levels)",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):

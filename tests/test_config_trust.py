@@ -9,6 +9,7 @@ import os
 import pickle
 import socket
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -337,12 +338,27 @@ def test_numbers_past_their_range_name_the_key_even_when_collected(data, key):
     ("tiers: {dram: {capacity_gb: 1}}\ntiers: {nvme: {capacity_gb: 2}}\n", "found the key 'tiers' twice"),
     ("tiers:\n  dram: {capacity_gb: 1, capacity_gb: 2}\n", "found the key 'capacity_gb' twice"),
 ])
-def test_a_file_the_parser_cannot_take_names_config_in_one_line(tmp_path, text, why):
+@pytest.mark.parametrize("recursion_limit", [None, 100_000])
+def test_a_file_the_parser_cannot_take_names_config_in_one_line(tmp_path, text, why, recursion_limit):
+    # the answer must not depend on the recursion limit earlier tests left (hypothesis raises it:
+    # 600 levels parsed in a full run on a fresh clone and failed this test)
     f = tmp_path / "c.yaml"
     f.write_text(text)
-    with pytest.raises(ConfigError) as ei:
-        load_config(f, environ={})
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(recursion_limit or before)
+    try:
+        with pytest.raises(ConfigError) as ei:
+            load_config(f, environ={})
+    finally:
+        sys.setrecursionlimit(before)
     assert ei.value.key == "config" and why in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_nesting_up_to_the_limit_parses_and_one_more_is_refused(tmp_path):
+    from kvstore.config import MAX_YAML_DEPTH, parse_yaml
+    assert parse_yaml("[" * MAX_YAML_DEPTH + "]" * MAX_YAML_DEPTH) is not None
+    with pytest.raises(yaml.YAMLError, match="nested too deep"):
+        parse_yaml("[" * (MAX_YAML_DEPTH + 1) + "]" * (MAX_YAML_DEPTH + 1))
 
 
 def test_a_merge_key_may_override_what_it_merged(tmp_path):
