@@ -7,10 +7,11 @@ Schema (public; the tuner writes it, the connector reads it)::
       nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header, engine, engine_depth, admit_after}
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads, load_only_if_faster}
-    metrics: {port}
+    metrics: {port, host}
     events: {dram, nvme, remote}: {medium, locality}
     trace_path: null
     trace_tokens: false
+    max_hint_ttl_s: null
 
 Sizes are GiB (2**30 bytes). ``ttl_s`` is an idle time: an entry expires ``ttl_s`` seconds
 after it was last stored or hit (null = never). ``ttl_shared_s`` is the idle TTL of a block hit by
@@ -212,7 +213,11 @@ class EventsConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """The Prometheus endpoint. ``host``: where it listens; loopback by default, since its labels
+    name the model, the chain root, the namespace and request tags (0.0.0.0: every interface)."""
+
     port: int | None = _f(None, F.integer, minimum=1, maximum=65535, allow_none=True)
+    host: str = _f("127.0.0.1", F.host)
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,19 @@ class StoreConfig:
     events: EventsConfig = _sec(EventsConfig)
     trace_path: str | None = _f(None, F.path, what="file")
     trace_tokens: bool = _f(False, F.choice, choices=BOOL)  # the trace keeps each prompt's token ids (opt-in)
+    # the longest idle TTL a request's hint (kv_transfer_params kvstore.ttl_s) may ask for; longer
+    # ones are cut to it. null: the longest ttl_s of the enabled tiers (a hint keeps a block no
+    # longer than the operator keeps any block; no cap when a tier never expires)
+    max_hint_ttl_s: float | None = _f(None, F.ttl, null="for the longest ttl_s of the enabled tiers")
+
+    @property
+    def hint_ttl_cap(self) -> float | None:
+        """``max_hint_ttl_s``, or what null stands for (None: no cap)."""
+        if self.max_hint_ttl_s is not None:
+            return self.max_hint_ttl_s
+        t = self.tiers
+        ttls = [c.ttl_s for c in (t.dram, t.nvme, t.remote) if c.enabled]
+        return None if not ttls or None in ttls else max(ttls)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -116,6 +116,23 @@ def word(key: str, v: Any, *, choices: tuple[str, ...], null: str) -> str | None
     raise ConfigError(key, v, " | ".join(choices) + f" | null ({null})")
 
 
+def host(key: str, v: Any) -> str:
+    """An address to listen on: an IPv4 or IPv6 literal, or a host name (``0.0.0.0`` or ``::`` is
+    every interface, the operator's explicit choice)."""
+    import ipaddress
+
+    if isinstance(v, str):
+        h = v.strip()
+        try:
+            ipaddress.ip_address(h)
+            return h
+        except ValueError:
+            if re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                            r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*", h):
+                return h
+    raise ConfigError(key, v, "an IP address (127.0.0.1, ::1; 0.0.0.0 or :: for every interface) or a host name")
+
+
 def path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
     if v is not None and (not isinstance(v, str) or not v.strip() or "\0" in v):
         raise ConfigError(key, v, f"a {what} path (string, no NUL bytes) or null")
