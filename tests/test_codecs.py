@@ -1,15 +1,18 @@
 """Codecs: round-trip error bounds (int8, fp8), exact round trips (none, zstd), corrupt compressed
-payloads are counted misses, a codec mismatch is never served, and an NVMe fp8+zstd store under a
-DRAM ``none`` tier through put / get / demotion / promotion / restart."""
+payloads are counted misses, zstd frames that declare more than a block or lie about their size
+are refused before they allocate (issue 45), a codec mismatch is never served, and an NVMe
+fp8+zstd store under a DRAM ``none`` tier through put / get / demotion / promotion / restart."""
 
 from __future__ import annotations
 
 import shutil
+import tracemalloc
 
 import numpy as np
 import pytest
 import torch
 
+from kvstore.bench.fault_families import bombs
 from kvstore.tiers import fileformat as ff
 from kvstore.codecs import CodecError, Geometry, make_codec
 from kvstore.config import ConfigError, from_dict
@@ -151,6 +154,50 @@ def test_decoder_rejects_damaged_bytes(name):
             c.decode(bad, len(bad), out)
 
 
+def _traced_peak(fn) -> int:
+    """The most bytes Python's allocators held at once while ``fn`` ran (python-zstandard's
+    output buffers included), over what they held before."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("frame", sorted(bombs.hostile_payloads(BB, BB + 1)))
+@pytest.mark.parametrize("name", ["zstd", "int8+zstd"])
+def test_zstd_refuses_a_frame_that_is_not_one_block_before_it_allocates(name, frame):
+    """Issue 45 findings 1-2: python-zstandard allocates what a frame declares, whatever
+    ``max_output_size`` says: a frame declaring 4 GiB allocated 4 GiB (and decoded it: 9-10 s, 4.1
+    GiB of RSS), one declaring 1 TiB raised MemoryError. Every frame that declares another size
+    than the block's, or holds another, is a CodecError, allocating at most a block or two."""
+    c = make_codec(name, Geometry(BB, "float16", HEAD))
+    payload = np.frombuffer(bombs.hostile_payloads(c.inner.encoded_bytes, c.encoded_bytes)[frame], np.uint8)
+    assert len(payload) <= c.encoded_bytes
+    out = np.zeros(BB, np.uint8)
+
+    def decode():
+        with pytest.raises(CodecError, match=r"zstd|frame"):
+            c.decode(payload, len(payload), out)
+
+    assert _traced_peak(decode) < 4 * BB
+
+
+def test_zstd_streams_a_frame_of_unknown_size_up_to_one_block():
+    """A frame without a content size (kvstore never writes one) is streamed, capped: exactly a
+    block decodes (the bytes it holds), one byte more or less is refused."""
+    c = make_codec("zstd", Geometry(BB, "uint8"))
+    out = np.zeros(BB, np.uint8)
+    exact = np.frombuffer(bombs.payload(bombs.UNKNOWN, BB, byte=9), np.uint8)
+    c.decode(exact, len(exact), out)
+    assert (out == 9).all()
+    for n in (BB - 1, BB + 1):
+        bad = np.frombuffer(bombs.payload(bombs.UNKNOWN, n, byte=9), np.uint8)
+        with pytest.raises(CodecError, match=f"exactly {BB}"):
+            c.decode(bad, len(bad), out)
+
+
 def test_config_zstd_level_and_dram_codec():
     assert from_dict({}).tiers.nvme.zstd_level == 3
     assert from_dict({"tiers": {"nvme": {"zstd_level": 19}}}).tiers.nvme.zstd_level == 19
@@ -281,6 +328,40 @@ def test_undecodable_payload_with_a_valid_checksum_is_a_counted_miss(tmp_path, c
         assert s.get(keys, out) == 1
         assert M(s, "kvstore_corrupt_files_total", tier="nvme", reason="bad_payload") == 1
         assert not s.nvme.path_of(keys[1]).exists()
+        check_store(s)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("frame", sorted(bombs.hostile_payloads(BB, BB + 1)))
+def test_a_zstd_bomb_in_a_block_file_is_a_counted_miss(tmp_path, clock, monkeypatch, frame):
+    """Issue 45: a file whose valid header and checksum cover a frame that declares 4 GiB or
+    1 TiB, or lies about its size: a miss counted ``bad_payload``, the file removed, nothing
+    allocated beyond a block or two. Before, the 1 TiB frame's MemoryError failed its read uncounted
+    (and every read of the blocks beside it in the same I/O part), the file staying for the next."""
+    s = KVStore(codec_config(tmp_path / "c", "zstd", dram_blocks=0), block_bytes=BB, fingerprint=FP16, clock=clock)
+    try:
+        keys = make_keys(3, fp=FP16)
+        c = s.nvme.codec
+        payload = np.frombuffer(bombs.hostile_payloads(c.inner.encoded_bytes, c.encoded_bytes)[frame], np.uint8)
+        real = c.encode
+
+        def bomb(src, dst):
+            dst[: len(payload)] = payload
+            return len(payload)
+
+        s.put(keys[:1], kv_blocks(1))
+        monkeypatch.setattr(c, "encode", bomb)
+        s.put(keys[1:2], kv_blocks(1, seed=1))
+        monkeypatch.setattr(c, "encode", real)
+        s.put(keys[2:], kv_blocks(1, seed=2))
+        out = np.zeros((3, BB), np.uint8)
+        got = []
+        assert _traced_peak(lambda: got.append(s.get(keys, out))) < 4 * BB + (1 << 20)
+        assert got == [1]
+        assert M(s, "kvstore_corrupt_files_total", tier="nvme", reason="bad_payload") == 1
+        assert not s.nvme.path_of(keys[1]).exists()
+        assert s.contains_prefix(keys).miss_reason == "corrupt"
         check_store(s)
     finally:
         s.close()

@@ -51,7 +51,7 @@ from typing import Callable
 
 from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
-from kvstore.codecs import Codec, CodecError
+from kvstore.codecs import Codec
 from kvstore.tiers.index import Entry
 from kvstore.tiers.dram.pool import alloc_aligned, as_bytes as _as_bytes, is_aligned
 from kvstore.tiers.base import Reservation
@@ -400,8 +400,8 @@ class NvmeTier(LocalTier):
                 if self.codec is not None:
                     try:
                         self.codec.decode(dst, h.payload_len, out[: self.block_bytes])
-                    except CodecError as e:
-                        raise ff.BadBlockFile("bad_payload", str(e)) from None
+                    except Exception as e:  # noqa: BLE001 - CodecError, MemoryError: a payload that does not decode
+                        raise ff.BadBlockFile("bad_payload", f"{type(e).__name__}: {e}") from None
                 try:
                     t = entry.last_access  # the hit's time (acquire touched it): recency survives a restart
                     os.utime(fd, (t, t))
