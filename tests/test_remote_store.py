@@ -106,7 +106,10 @@ def test_keys_evicted_between_lookup_and_load_are_a_miss(pair, redis_single):  #
             assert b.dram.get([k], one) == [True] and np.array_equal(one[0], blocks_for([k])[0])
 
 
-def test_corrupt_values_are_counted_misses_and_deleted(pair, redis_single):  # noqa: F811
+def test_corrupt_values_are_counted_misses_and_stored_over(pair, redis_single):  # noqa: F811
+    """A value whose payload checksum fails is a counted miss, kept in Redis (issue 45: a failed
+    check is not proof that its writer had no right to write it), not promised again by this
+    engine, and stored over by its next store."""
     keys = make_keys(3, seed=5)
     a, b = pair
     a.put(keys, blocks_for(keys))
@@ -119,7 +122,11 @@ def test_corrupt_values_are_counted_misses_and_deleted(pair, redis_single):  # n
     out = np.zeros((3, BLOCK), np.uint8)
     assert b.get(keys, out) == 1 and np.array_equal(out[0], blocks_for(keys[:1])[0])
     assert M(b, "kvstore_corrupt_files_total", tier="remote", reason="checksum") == 1
-    assert c.exists(name) == 0  # deleted: the next engine computes and stores it again
+    assert c.exists(name) == 1 and b.contains_prefix(keys).num_blocks == 1  # kept there, held absent here
+    b.put(keys, blocks_for(keys))  # the engine computes it and stores it again: over the bad value
+    b.flush()
+    one = [np.zeros(BLOCK, np.uint8)]
+    assert b.remote.client.get(keys[1:2], one) == [True] and np.array_equal(one[0], blocks_for(keys[1:2])[0])
 
 
 def test_server_killed_is_a_miss_and_hits_resume_after_restart(tmp_path, redis_launcher, monkeypatch):  # noqa: F811

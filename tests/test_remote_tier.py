@@ -138,6 +138,9 @@ def _corrupt(kind: str, value: bytes, other_ns_value: bytes, other_key_value: by
 @pytest.mark.parametrize("kind", ["payload_bit", "header_byte", "magic", "truncated", "header_only", "short",
                                   "garbage", "pickle", "other_namespace", "other_key", "longer"])
 def test_bad_values_are_counted_deleted_misses(redis_single, kind):
+    """Every bad value is a counted miss; a value no engine writes under its name is deleted, one
+    of our format whose checksum fails (``payload_bit``) is kept and reported refused (issue 45:
+    a failed check is not proof that its writer had no right to write it; a later put overwrites it)."""
     keys, blocks = keys_and_blocks(3, bb=4096, seed=2)
     t = tier_for(redis_single, bb=4096)
     other = tier_for(redis_single, bb=4096)  # another namespace writes the same key
@@ -148,11 +151,27 @@ def test_bad_values_are_counted_deleted_misses(redis_single, kind):
     bad = _corrupt(kind, c.get(name), c.get(other.redis_key(keys[0])), c.get(t.redis_key(keys[1])))
     c.set(name, bad)
     outs = outs_for(3, 4096)
-    assert t.get(keys, outs) == [False, True, True]
+    refused: list[bytes] = []
+    assert t.get(keys, outs, refused) == [False, True, True]
     assert np.array_equal(outs[1], blocks[1]) and np.array_equal(outs[2], blocks[2])
-    assert t.stats["corrupt"] == 1 and t.stats["deleted_corrupt"] == 1 and sum(t.corrupt_reasons.values()) == 1
-    assert c.exists(name) == 0 and c.exists(t.redis_key(keys[1])) == 1
+    kept = kind == "payload_bit"
+    assert t.stats["corrupt"] == 1 and t.stats["deleted_corrupt"] == int(not kept)
+    assert sum(t.corrupt_reasons.values()) == 1 and refused == keys[:1] * kept
+    assert c.exists(name) == int(kept) and c.exists(t.redis_key(keys[1])) == 1
     assert t.available  # a bad value is not a server failure
+    assert t.put(keys[:1], blocks[:1]) == [True] and t.get(keys[:1], outs[:1]) == [True]
+
+
+@pytest.mark.parametrize("ttl_s", [1e300, 1e12, float("inf"), float("nan"), 1e9])
+def test_a_put_never_sends_a_px_redis_refuses(redis_single, ttl_s):
+    """A request's TTL hint is clamped to the config's longest TTL (1e9 s) before it becomes PX:
+    1e300 made Redis refuse the SET (the block silently not shared), 1e12 gave a PTTL of ~31,700
+    years, inf and NaN raised out of put."""
+    keys, blocks = keys_and_blocks(2, bb=4096, seed=9)
+    t = tier_for(redis_single, bb=4096)
+    assert t.put(keys, blocks, ttl_s=ttl_s) == [True, True] and t.stats["errors_put"] == 0
+    assert 0.99e12 < redis_single.client().pttl(t.redis_key(keys[0])) <= 1e12
+    assert t.get(keys, outs_for(2, 4096)) == [True, True]
 
 
 def test_an_empty_value_is_a_plain_miss(redis_single):
@@ -442,3 +461,29 @@ def test_codecs_round_trip(codec_name, where, redis_single, redis_cluster):
     # a tier without the codec never serves the encoded bytes
     plain = tier_for(srv, bb=bb, namespace=t.namespace)
     assert plain.get(keys[:1], outs_for(1, bb)) == [False] and plain.corrupt_reasons == {"codec": 1}
+
+
+def test_a_refused_key_is_held_absent_until_stored_or_the_hold_ends():
+    """Presence: a key whose value a read refused and kept is absent for ``refused_s`` whatever
+    Redis says (so lookups stop promising a block whose every load fails), at once present again
+    when this engine stores it, and asked again once the hold ends."""
+    from kvstore.tiers.redis.presence import Presence
+
+    clock = FakeClock()
+    p = Presence(clock, refused_s=60.0, probe=4)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    asked = []
+
+    def ask(ks):
+        asked.append(len(ks))
+        return [True] * len(ks)
+
+    p.refused(keys[2:3])
+    assert p.walk(keys, ask) == 2 and p.unheld(keys, [True] * 4) == [True, True, False, True]
+    clock.advance(30)
+    assert p.walk(keys, ask) == 2
+    p.stored(keys[2:3])
+    assert p.walk(keys, ask) == 4 and p.unheld(keys, [True] * 4) == [True] * 4
+    p.refused(keys[:1])
+    clock.advance(60.5)
+    assert p.walk(keys, ask) == 4 and asked[-1] == 4  # the hold ended: Redis is asked again

@@ -5,11 +5,16 @@ redis-server shared by stores with and without secrets.
 
 - every call (a lookup through the store, a load, a store, the start-up check, close) ends
   within 1.5 x timeout_ms, nothing escapes, and the tier backs off (counted);
-- with KVSTORE_REMOTE_SECRET, no block crosses between secrets, a value with a valid header and
-  xxh3 but no (or a wrong) MAC is refused as "unauthenticated" and deleted, and rotation through
-  KVSTORE_REMOTE_SECRET_PREVIOUS works; the secret never shows in logs, reprs or errors;
+- with KVSTORE_REMOTE_SECRET, no block crosses between secrets and engines with different secrets
+  neither see, delete nor overwrite each other's values (issue 45), a value with a valid header
+  and xxh3 but no (or a wrong) MAC is refused as "unauthenticated" (deleted if no engine writes
+  its shape there, kept and held absent if it is only its MAC that fails), and rotation through
+  KVSTORE_REMOTE_SECRET_PREVIOUS works for three engines; the secret never shows in logs, reprs
+  or errors;
 - a LIST under a kvstore key heals (counted "type", deleted, stored again);
-- a 64 MiB value is refused without being read (the server's sent bytes are measured)."""
+- a 64 MiB value is refused without being read (the server's sent bytes are measured);
+- zstd frames that declare 4 GiB or 1 TiB, or lie about their size, are counted, deleted misses
+  that allocate nothing (issue 45)."""
 
 from __future__ import annotations
 
@@ -17,10 +22,12 @@ import logging
 import os
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
 
+from kvstore.bench.fault_families import bombs
 from kvstore.tiers import fileformat as ff
 from kvstore.config import ConfigError, from_dict
 from kvstore.keys import ModelFingerprint
@@ -37,6 +44,7 @@ BOUND = 1.5 * T_MS / 1000
 FP = ModelFingerprint(model="remote-trust", block_size=16)
 SECRET_A = "a-secret-for-tests-" + "a" * 24
 SECRET_B = "b-secret-for-tests-" + "b" * 24
+SECRET_C = "c-secret-for-tests-" + "c" * 24
 
 
 def elapsed(fn, *args, **kw):
@@ -45,10 +53,11 @@ def elapsed(fn, *args, **kw):
     return time.monotonic() - t0, out
 
 
-def _store(url, *, dram: int = 8, password: str | None = None, timeout_ms: int = 5000, **env) -> KVStore:
+def _store(url, *, dram: int = 8, password: str | None = None, timeout_ms: int = 5000, codec: str = "none",
+           **env) -> KVStore:
     """A store on ``url`` (no NVMe; ``dram`` 0: the remote tier alone; a real server is given a
-    long timeout, a loaded CI machine must not turn its answers into misses). ``env``: secret=,
-    previous=."""
+    long timeout, a loaded CI machine must not turn its answers into misses; ``codec``: the remote
+    tier's). ``env``: secret=, previous=."""
     saved = {k: os.environ.pop(k, None) for k in ("KVSTORE_REMOTE_SECRET", "KVSTORE_REMOTE_SECRET_PREVIOUS",
                                                    "KVSTORE_REDIS_PASSWORD")}
     for k, v in (("KVSTORE_REMOTE_SECRET", env.get("secret")), ("KVSTORE_REMOTE_SECRET_PREVIOUS", env.get("previous")),
@@ -58,7 +67,7 @@ def _store(url, *, dram: int = 8, password: str | None = None, timeout_ms: int =
     try:
         cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(dram), "pin_memory": False, "ttl_s": None},
                                    "nvme": {"capacity_gb": 0},
-                                   "remote": {"url": url, "timeout_ms": timeout_ms}}})
+                                   "remote": {"url": url, "timeout_ms": timeout_ms, "codec": codec}}})
         return KVStore(cfg, block_bytes=BLOCK, fingerprint=FP, block_tokens=16)
     finally:
         for k, v in saved.items():
@@ -233,14 +242,12 @@ def test_no_block_crosses_between_secrets(redis_single, caplog):  # noqa: F811
     plain = _store(redis_single.url, dram=0, password=pw)
     try:
         assert a.put(keys, blocks_for(keys)) == 12
-        assert a.remote.client.namespace == other.remote.client.namespace != plain.remote.client.namespace
+        ns = [s.remote.client.namespace for s in (a, same, other, plain)]
+        assert ns[0] == ns[1] and len(set(ns)) == 3  # a namespace per secret, and one without
         assert plain.contains_prefix(keys).num_blocks == 0  # a store without a secret does not even see them
         assert _served(same, keys) == 12  # the same secret: every block
-        assert _served(other, keys) == 0  # another secret: none
-        assert _corrupt(other, "unauthenticated") >= 1
-        c = redis_single.client()
-        gone = [c.exists(a.remote.client.redis_key(k)) for k in keys]
-        assert gone[0] == 0  # refused values are deleted (the other store's prefix ended at the first)
+        assert _served(other, keys) == 0  # another secret: none, and it does not even see them
+        assert other.remote.corrupt_reasons == {} and redis_single.client().dbsize() == 12
         text = caplog.text + repr(a.remote) + repr(a.remote.client.values) + repr(vars(a.remote))
         assert SECRET_A not in text and SECRET_B not in text
     finally:
@@ -248,18 +255,50 @@ def test_no_block_crosses_between_secrets(redis_single, caplog):  # noqa: F811
             s.close()
 
 
-def _forge(tier: RedisClient, key: bytes, block: np.ndarray, *, flags: int, tail: bytes) -> bytes:
+def test_an_engine_with_another_secret_deletes_and_overwrites_nothing(redis_single):  # noqa: F811
+    """Issue 45 finding 3: engine B with another secret (a staging engine on the production Redis)
+    looked A's prefix up, served nothing (right) and deleted all 8 blocks (dbsize 8 -> 0); its
+    recomputed blocks then overwrote A's keys, and the two fleets evicted each other for good."""
+    keys = make_keys(8, seed=40)
+    pw = redis_single.password
+    a = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)
+    b = _store(redis_single.url, dram=0, password=pw, secret=SECRET_B)
+    c = redis_single.client()
+    try:
+        assert a.put(keys, blocks_for(keys)) == 8 and c.dbsize() == 8
+        assert b.contains_prefix(keys).num_blocks == 0
+        assert _served(b, keys) == 0
+        assert c.dbsize() == 8  # nothing of A's deleted (was 0)
+        assert b.put(keys, blocks_for(keys)) == 8  # B recomputes and stores: beside A's, not over them
+        assert c.dbsize() == 16
+        a2 = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)  # a fresh engine of fleet A
+        try:
+            assert a2.contains_prefix(keys).num_blocks == 8 and _served(a2, keys) == 8
+            assert _served(b, keys) == 8
+            assert sum(a2.remote.corrupt_reasons.values()) == sum(b.remote.corrupt_reasons.values()) == 0
+        finally:
+            a2.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def _forge(tier: RedisClient, key: bytes, payload: np.ndarray | bytes, *, flags: int = 0, tail: bytes = b"") -> bytes:
     """A value with a valid header and xxh3 for ``key`` in the tier's namespace, as any writer to
     Redis can build it from the key name alone."""
-    head = ff.header_bytes(ff.Header(tier.values.codec_id, BLOCK, ff.checksum(block), time.time(), tier.namespace,
-                                     key, flags))
-    return head + block.tobytes() + tail
+    payload = np.frombuffer(bytes(payload), np.uint8)
+    head = ff.header_bytes(ff.Header(tier.values.codec_id, payload.nbytes, ff.checksum(payload), time.time(),
+                                     tier.namespace, key, flags))
+    return head + payload.tobytes() + tail
 
 
 @pytest.mark.parametrize("how", ["no_mac", "random_mac", "mac_unflagged"])
-def test_a_forged_value_is_refused_and_deleted(redis_single, how):  # noqa: F811
+def test_a_forged_value_is_refused(redis_single, how):  # noqa: F811
     """Found at the lookup (an unMAC'd value's length) or at the load (the MAC): refused, counted
-    "unauthenticated", deleted; before, a value with a valid header and xxh3 was served."""
+    "unauthenticated"; before, a value with a valid header and xxh3 was served. A value of a shape
+    no engine writes there (no MAC, or a MAC behind a header that does not announce one) is
+    deleted; one whose MAC alone fails is kept (issue 45: that a MAC fails is not proof that its
+    writer had no right to write it) and held absent by this engine, whose next store overwrites it."""
     keys = make_keys(3, seed=5)
     s = _store(redis_single.url, dram=0, password=redis_single.password, secret=SECRET_A)
     reader = _store(redis_single.url, dram=0, password=redis_single.password, secret=SECRET_A)
@@ -277,9 +316,12 @@ def test_a_forged_value_is_refused_and_deleted(redis_single, how):  # noqa: F811
             forged = _forge(s.remote.client, keys[1], blocks_for(keys[1:2])[0], flags=0, tail=honest[-MAC_BYTES:])
         c.set(name, forged)
         assert _served(reader, keys) == 1  # the prefix ends at the forged block; nothing wrong is served
-        assert _corrupt(reader, "unauthenticated") == 1 and c.exists(name) == 0
-        assert s.put(keys, blocks_for(keys)) == 1  # stored again (the others are there), served again
-        assert _served(s, keys) == 3
+        kept = how == "random_mac"
+        assert _corrupt(reader, "unauthenticated") == 1 and c.exists(name) == int(kept)
+        assert reader.contains_prefix(keys).num_blocks == 1  # not promised again (held, or gone)
+        assert reader.put(keys, blocks_for(keys)) == 1  # stored again over it (the others are there)
+        assert _served(reader, keys) == 3 and _served(s, keys) == 3
+        assert _corrupt(reader, "unauthenticated") == 1
     finally:
         s.close()
         reader.close()
@@ -300,6 +342,48 @@ def test_rotation_through_the_previous_secret(redis_single):  # noqa: F811
         assert _served(stale, keys[3:]) == 0  # an engine that has neither the new secret nor phase 1: refused
     finally:
         for s in (old, new, stale, phase1):
+            s.close()
+
+
+def test_three_engines_through_a_rotation(redis_single):  # noqa: F811
+    """Issue 45: an engine with the old secret, one with the new secret and the old as previous,
+    and an unrelated one (another secret) on one Redis. Hits are followed through the rotation:
+    the new engine reads the old one's values (and does not keep them alive), writes only its
+    own namespace; the unrelated engine serves, deletes and overwrites nothing of either (before:
+    it deleted every value it looked at, both fleets' included)."""
+    keys = make_keys(8, seed=41)
+    pw = redis_single.password
+    c = redis_single.client()
+    old = _store(redis_single.url, dram=0, password=pw, secret=SECRET_A)
+    new = _store(redis_single.url, dram=0, password=pw, secret=SECRET_B, previous=SECRET_A)
+    unrelated = _store(redis_single.url, dram=0, password=pw, secret=SECRET_C)
+    try:
+        assert old.put(keys[:4], blocks_for(keys[:4])) == 4
+        assert unrelated.contains_prefix(keys).num_blocks == 0 and _served(unrelated, keys) == 0
+        assert c.dbsize() == 4
+        # the new engine finds and serves the old one's prefix, without refreshing its TTL
+        c.pexpire(old.remote.client.redis_key(keys[0]), 50_000)
+        assert new.contains_prefix(keys).num_blocks == 4 and _served(new, keys[:4]) == 4
+        assert 0 < c.pttl(old.remote.client.redis_key(keys[0])) <= 50_000
+        # it computes the rest and stores all it was asked to: into its own namespace only
+        assert new.put(keys, blocks_for(keys)) == 8 - 4  # the 4 the old secret's namespace holds are skipped
+        assert c.dbsize() == 8
+        assert _served(new, keys) == 8
+        assert _served(old, keys) == 4  # the old engine: its own, never the new secret's
+        assert unrelated.contains_prefix(keys).num_blocks == 0 and _served(unrelated, keys) == 0
+        assert unrelated.put(keys, blocks_for(keys)) == 8 and c.dbsize() == 16
+        # the rotation's last step: the new secret alone still serves what it wrote
+        done = _store(redis_single.url, dram=0, password=pw, secret=SECRET_B)
+        try:
+            assert done.contains_prefix(keys).num_blocks == 0  # keys[:4] were only under the old secret
+            assert _served(done, keys[4:]) == 4
+        finally:
+            done.close()
+        assert _served(old, keys[:4]) == 4 and _served(new, keys) == 8 and _served(unrelated, keys) == 8
+        for s in (old, new, unrelated):
+            assert s.remote.corrupt_reasons == {}, s.remote.corrupt_reasons
+    finally:
+        for s in (old, new, unrelated):
             s.close()
 
 
@@ -393,5 +477,39 @@ def test_inspect_reads_macd_values_as_blocks(redis_single):  # noqa: F811
         ns = info["namespaces"][s.remote.client.namespace.hex()]
         assert ns["blocks"] == 3 and ns["bad_values"] == 0 and info["bad_values"] == 0
         assert ns["bytes"] == 3 * (BLOCK + ff.HEADER_CORE + MAC_BYTES)
+    finally:
+        s.close()
+
+
+# -- decode bombs (issue 45 findings 1 and 2) -----------------------------------------------------
+@pytest.mark.parametrize("frame", sorted(bombs.hostile_payloads(BLOCK, BLOCK + 1)))
+def test_a_zstd_bomb_in_redis_is_a_counted_deleted_miss_that_allocates_nothing(redis_single, frame):  # noqa: F811
+    """With ``tiers.remote.codec: zstd`` and no secret anyone who may write to Redis can plant a
+    value with a valid header and xxh3 whose zstd frame declares 4 GiB (finding 1: one get took
+    10.3 s and 4.1 GiB of RSS, python-zstandard allocating what the frame declares) or 1 TiB
+    (finding 2: every get raised MemoryError, uncounted, the value kept and promised for a day),
+    or lies about its size. Each is now refused before it allocates (the traced peak of the whole
+    get stays under a MiB; it was 4,096 MiB for the 4 GiB frame), counted ``decode``, deleted,
+    not promised again, and stored over by the next put."""
+    keys = make_keys(3, seed=42)
+    s = _store(redis_single.url, dram=0, password=redis_single.password, codec="zstd")
+    c = redis_single.client()
+    try:
+        assert s.put(keys, blocks_for(keys)) == 3
+        t = s.remote.client
+        payload = bombs.hostile_payloads(t.values.codec.inner.encoded_bytes, t.values.payload_max)[frame]
+        name = t.redis_key(keys[1])
+        c.set(name, _forge(t, keys[1], payload, flags=0))
+        assert s.contains_prefix(keys).num_blocks == 3  # its length is a zstd value's
+        tracemalloc.start()
+        try:
+            assert _served(s, keys) == 1  # never an exception, never served
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, (frame, peak)
+        assert _corrupt(s, "decode") == 1 and c.exists(name) == 0
+        assert s.contains_prefix(keys).num_blocks == 1
+        assert s.put(keys, blocks_for(keys)) == 1 and _served(s, keys) == 3
     finally:
         s.close()

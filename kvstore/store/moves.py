@@ -294,7 +294,9 @@ class Moves:
         return out
 
     def read(self, t: Tier, entries: Sequence[Entry], dsts: Sequence[np.ndarray]) -> list[bool]:
-        """Read pinned blocks of ``t`` into ``dsts`` while the caller waits."""
+        """Read pinned blocks of ``t`` into ``dsts`` while the caller waits; whatever a read raises
+        fails its blocks (a batched medium's too: a MemoryError out of Redis's decode once escaped
+        every ``KVStore.get`` of a block, issue 45)."""
         if t.fan_out:
             parts = self._parts(t, len(entries))
             done = self._map([lambda p=p: self._part(t, "reading", lambda: t.read_many(
@@ -304,4 +306,4 @@ class Moves:
                 for i, r in zip(p, rs):
                     out[i] = bool(r)
             return out
-        return [bool(r) for r in t.read_many(entries, dsts)]
+        return [bool(r) for r in self._part(t, "reading", lambda: t.read_many(entries, dsts), len(entries))]

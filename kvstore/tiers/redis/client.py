@@ -14,9 +14,16 @@ A value is self-describing (:mod:`.value`: the block file's compact header, the 
 and with ``KVSTORE_REMOTE_SECRET`` a MAC), sent without a copy of the block (:mod:`.pipe`).
 Nothing read from Redis is ever unpickled, and nothing is read whole before its length is known:
 a lookup asks ``STRLEN`` (as cheap as EXISTS), a load ``GETRANGE`` up to one byte past the
-longest value of ours. A value that fails any check (the wrong type, length, header, key,
-checksum or MAC) is a counted miss and is deleted. Redis SET is atomic, so two engines writing
-one key leave one whole value (the same bytes), never a torn one.
+longest value of ours. A value that fails any check is a counted miss; one that is not of our
+format under its name (the wrong type, length, header, key or codec, or a payload that does not
+decode) is deleted, one of our format whose checksum or MAC fails is kept (:mod:`.value`) and
+reported to the caller, which holds it absent a while (:mod:`.presence`). Redis SET is atomic, so
+two engines writing one key leave one whole value (the same bytes), never a torn one.
+
+With a secret, values live in a namespace of that secret's own (:mod:`.value`); during a rotation
+the previous secret's namespace is read too (a lookup asks both in one pipeline; a load reads
+there what the current one lacks, without refreshing its TTL, so those values expire within
+``ttl_s`` of their last write and the rotation's last step can follow), and written never.
 
 Failures never raise: every call ends within ``timeout_ms`` of wall time (plus 50 ms per MiB it
 moved) whatever the server does (:mod:`.conn`: a deadline over the whole call, not each socket read); a timeout, a lost
@@ -43,11 +50,12 @@ from redis.exceptions import AskError, AuthenticationError, ClusterDownError
 from redis.exceptions import TimeoutError as RTimeoutError
 
 from kvstore.codecs import Codec
+from kvstore.configfields import MAX_TTL_S
 from kvstore.keys import KEY_BYTES
 from kvstore.tiers.redis import conn as rc
 from kvstore.tiers.redis.conn import RemoteAuthError, RemoteError, RemoteTLSError, RemoteUnavailable  # noqa: F401
 from kvstore.tiers.redis.conn import outage as _outage, timed_out as _timeout, wrongtype as _wrongtype
-from kvstore.tiers.redis.value import ENV_SECRET, ValueFormat, authenticated_namespace, mac_key
+from kvstore.tiers.redis.value import ENV_SECRET, Refused, ValueFormat, authenticated_namespace, mac_key
 from kvstore.tiers.redis.pipe import SetPipeline
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,17 @@ log = logging.getLogger(__name__)
 ENV_USER, ENV_PASSWORD = rc.ENV_USER, rc.ENV_PASSWORD
 _NAME = re.compile(rb"kvs:\{([0-9a-f]{32})\.[0-9a-f]{2}\}:([0-9a-f]{32})")
 _warned_unauthenticated = threading.Event()  # the start-up warning, once per process
+
+
+def px_of(ttl_s: float) -> int:
+    """A TTL as Redis's PX: whole milliseconds, at least 1 and at most ``MAX_TTL_S`` (1e9 s, the
+    config's own bound). Redis refuses a SET whose PX overflows its clock (ttl_s 1e300: the block
+    was silently not shared) and keeps any other (1e12 s: a PTTL of ~31,700 years); NaN is the
+    longest too (never a refused SET)."""
+    t = float(ttl_s)
+    if not t <= MAX_TTL_S:  # past the bound, inf or NaN
+        t = MAX_TTL_S
+    return max(1, int(max(t, 0.0) * 1000))
 
 
 class RedisClient:
@@ -75,14 +94,20 @@ class RedisClient:
             raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
         if secret_previous and not secret:
             raise ValueError("a previous secret is only read beside a current one")
-        mac_keys = tuple(mac_key(s) for s in (secret, secret_previous) if s)
+        key = mac_key(secret) if secret else None
         self.cluster = cluster
-        self.namespace = authenticated_namespace(namespace) if mac_keys else bytes(namespace)
-        self._tag = b"kvs:{" + self.namespace.hex().encode() + b"."
+        self.namespace = authenticated_namespace(namespace, key) if key else bytes(namespace)
         self.block_bytes = int(block_bytes)
-        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self.values = ValueFormat(self.namespace, self.block_bytes, codec, codec_id, mac_keys)
-        if not mac_keys and not _warned_unauthenticated.is_set():
+        self.ttl_ms = None if ttl_s is None else px_of(ttl_s)
+        self.values = ValueFormat(self.namespace, self.block_bytes, codec, codec_id, key)
+        # what is read: the current namespace, then during a rotation the previous secret's
+        self.spaces = [self.values]
+        old = mac_key(secret_previous) if secret_previous else None
+        if old is not None and old != key:
+            self.spaces.append(ValueFormat(authenticated_namespace(namespace, old), self.block_bytes, codec, codec_id,
+                                           old))
+        self._tags = {f.namespace: b"kvs:{" + f.namespace.hex().encode() + b"." for f in self.spaces}
+        if key is None and not _warned_unauthenticated.is_set():
             _warned_unauthenticated.set()
             log.warning("kvstore remote: %s is not set, so the shared tier trusts every writer: any client that "
                         "may write kvs:* keys to %s can make this engine serve KV of its choice (see "
@@ -111,10 +136,11 @@ class RedisClient:
         mac = " mac" if self.values.authenticated else ""
         return f"<RedisClient {'cluster' if self.cluster else 'server'} {self.url} ns={self.namespace.hex()[:16]}{mac}>"
 
-    def redis_key(self, key: bytes) -> bytes:
+    def redis_key(self, key: bytes, values: ValueFormat | None = None) -> bytes:
+        """The name of ``key`` in the current namespace (or in that of ``values``, one of :attr:`spaces`)."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"block keys are {KEY_BYTES} bytes, got {len(key)}")
-        return self._tag + b"%02x}:" % key[0] + key.hex().encode()
+        return self._tags[(values or self.values).namespace] + b"%02x}:" % key[0] + key.hex().encode()
 
     def deadline(self):
         """``timeout_ms`` for this thread's calls to the tier, together: a caller that makes several
@@ -252,62 +278,96 @@ class RedisClient:
         self.count("timeouts", n if _timeout(e) else 0)
         self.count(f"errors_{op}", n)
 
+    def _refused(self, reasons: list[str]) -> None:
+        """Values refused at a read or a lookup, counted by reason."""
+        if reasons:
+            with self._lock:
+                for r in reasons:
+                    self.corrupt_reasons[r] = self.corrupt_reasons.get(r, 0) + 1
+            self.count("corrupt", len(reasons))
+
     def _bad(self, bad: list[tuple[bytes, str]]) -> None:
-        """(name, reason) of values that are not ours (damaged, forged, foreign, the wrong type or
-        size): counted by reason, then deleted; another engine may have rewritten one since:
+        """(name, reason) of values that are not of our format under their name (garbage, a
+        foreign or replayed header, the wrong type, size or codec, a payload that does not
+        decode): counted by reason, then deleted; another engine may have rewritten one since:
         deleting it costs a miss, never a wrong block."""
         if not bad:
             return
         names = [name for name, _ in bad]
-        with self._lock:
-            for _, r in bad:
-                self.corrupt_reasons[r] = self.corrupt_reasons.get(r, 0) + 1
-        self.count("corrupt", len(names))
+        self._refused([r for _, r in bad])
         gone = self._call("remove", names, lambda p, i: p.delete(names[i])) or []
         self.count("deleted_corrupt", sum(rs[0] for rs in gone if type(rs[0]) is int))
 
     # -- the medium --------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which keys hold a value that could be ours: ``STRLEN`` (as cheap as EXISTS) gives the
-        length before anything is read; a value of the wrong length or type is counted, deleted
-        and reported absent (never "present" while every load of it fails)."""
-        names = [self.redis_key(k) for k in keys]
+        """Which keys hold a value that could be ours (in any namespace read: one pipeline):
+        ``STRLEN`` (as cheap as EXISTS) gives the length before anything is read; a value of the
+        wrong length or type is counted, deleted and reported absent (never "present" while every
+        load of it fails)."""
+        names = [self.redis_key(k, f) for f in self.spaces for k in keys]
         res = self._call("exists", names, lambda p, i: p.strlen(names[i])) if names else []
+        found = [False] * len(keys)
         if res is None:
-            return [False] * len(keys)
-        lo, hi = self.values.value_min, self.values.value_max
-        found = [type(n) is int and lo <= n <= hi for n, in res]
-        if not all(found):
-            self._bad([(name, "type" if _wrongtype(n) else self.values.length_bad(n)) for name, (n,), ok
-                       in zip(names, res, found) if not ok and ((type(n) is int and n > 0) or _wrongtype(n))])
+            return found
+        bad = []
+        for j, f in enumerate(self.spaces):
+            for i in range(len(keys)):
+                name, (n,) = names[j * len(keys) + i], res[j * len(keys) + i]
+                if type(n) is int and f.value_min <= n <= f.value_max:
+                    found[i] = True
+                elif (type(n) is int and n > 0) or _wrongtype(n):
+                    bad.append((name, "type" if _wrongtype(n) else f.length_bad(n)))
+        self._bad(bad)
         return found
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> list[bool]:
-        """Fill ``outs[i][:block_bytes]`` for every key found whole; refreshes the TTL of hits.
-        Length first: ``GETRANGE 0 max`` reads at most one byte past the longest value of ours, so
-        a 64 MiB value costs that, not 64 MiB; ``PEXPIRE`` beside it refreshes the TTL (if the tier has one),
-        and an empty value is a miss like a missing key. Measured on 2 MiB values,
-        64 a round in pipelines of 32, one thread: GETRANGE+PEXPIRE ran at 0.99 of GETEX's rate,
-        a Lua script that checks STRLEN first at 0.50 (the value crosses Lua's heap twice)."""
-        names = [self.redis_key(k) for k in keys]
+    def get(self, keys: Sequence[bytes], outs: Sequence[np.ndarray], refused: list | None = None) -> list[bool]:
+        """Fill ``outs[i][:block_bytes]`` for every key found whole; refreshes the TTL of hits in
+        the current namespace; then, during a rotation, reads what is left from the previous
+        secret's (one deadline for both). Keys whose values were refused and kept (checksum, MAC)
+        and not served are appended to ``refused``. Length first: ``GETRANGE 0 max`` reads at
+        most one byte past the longest value of ours, so a 64 MiB value costs that, not 64 MiB;
+        ``PEXPIRE`` beside it refreshes the TTL (if the tier has one), and an empty value is a
+        miss like a missing key. Measured on 2 MiB values, 64 a round in pipelines of 32, one
+        thread: GETRANGE+PEXPIRE ran at 0.99 of GETEX's rate, a Lua script that checks STRLEN first
+        at 0.50 (the value crosses Lua's heap twice)."""
         oks = [False] * len(keys)
-        if not names:
+        if not keys:
             return oks
-        cap, px = self.values.value_max, self.ttl_ms
+        bad: list[tuple[bytes, str]] = []
+        kept: list[tuple[int, str]] = []
+        with self.deadline():
+            for f in self.spaces:
+                idx = [i for i, ok in enumerate(oks) if not ok]
+                if not idx or not self._read(f, keys, outs, idx, oks, bad, kept):
+                    break
+        self.count("hits", sum(oks))
+        self.count("misses", len(oks) - sum(oks))
+        self._refused([r for _, r in kept])
+        if refused is not None:
+            refused.extend(dict.fromkeys(keys[i] for i, _ in kept if not oks[i]))
+        self._bad(bad)
+        return oks
 
-        def add(p, i) -> None:
-            p.getrange(names[i], 0, cap)
+    def _read(self, f: ValueFormat, keys: Sequence[bytes], outs: Sequence[np.ndarray], idx: list[int],
+              oks: list[bool], bad: list, kept: list) -> bool:
+        """Read keys ``idx`` from the namespace of ``f`` into ``oks``; the refused ones into
+        ``bad`` (name, reason: to delete) or ``kept`` (index, reason). False: the tier is down."""
+        names = [self.redis_key(keys[i], f) for i in idx]
+        cap = f.value_max
+        px = self.ttl_ms if f is self.values else None  # the previous secret's values are not kept alive
+
+        def add(p, j) -> None:
+            p.getrange(names[j], 0, cap)
             if px is not None:
-                p.pexpire(names[i], px)
+                p.pexpire(names[j], px)
 
         res = self._call("get", names, add, per=1 if px is None else 2)
         if res is None:
-            self.count("misses", len(keys))
-            return oks
-        bad = []
-        for i, (value, *_) in enumerate(res):
+            return False
+        for j, (value, *_) in enumerate(res):
+            i = idx[j]
             if _wrongtype(value):
-                reason = "type"
+                why = Refused("type")
             elif not isinstance(value, bytes):
                 continue  # an error, counted by _call
             elif not value:
@@ -317,21 +377,20 @@ class RedisClient:
                 # counting that as corrupt gave 1 phantom in ~95,000 reads under SET/DEL churn.
                 continue
             else:
-                reason = self.values.decode(keys[i], value, outs[i])
-            if reason is None:
+                why = f.decode(keys[i], value, outs[i])
+            if why is None:
                 oks[i] = True
                 self.count("bytes_read", len(value))
+            elif why.kept:
+                kept.append((i, why.reason))
             else:
-                bad.append((names[i], reason))
-        self.count("hits", sum(oks))
-        self.count("misses", len(oks) - sum(oks))
-        self._bad(bad)
-        return oks
+                bad.append((names[j], why.reason))
+        return True
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[np.ndarray], ttl_s: float | None = None) -> list[bool]:
         """Store each block, overwriting: in one namespace a key names the same bytes in every
         engine. ``ttl_s``: this call's idle TTL (a request's retention hint), else the tier's."""
-        px = self.ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))
+        px = self.ttl_ms if ttl_s is None else px_of(ttl_s)
         names = [self.redis_key(k) for k in keys]
         oks = [False] * len(keys)
         if not self.available:  # do not encode what will not be sent
@@ -362,7 +421,8 @@ class RedisClient:
         return oks
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        names = [self.redis_key(k) for k in keys]
+        """Delete ``keys`` in every namespace read; the values deleted."""
+        names = [self.redis_key(k, f) for f in self.spaces for k in keys]
         res = self._call("remove", names, lambda p, i: p.delete(names[i])) if names else []
         return sum(rs[0] for rs in res or [] if type(rs[0]) is int)
 

@@ -89,7 +89,9 @@ class RedisTier(Tier):
         return self.leading([key]) == 1
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.client.exists(keys) if keys else []
+        """What Redis holds, less the values this engine refused and kept a moment ago: a store
+        then writes over them."""
+        return self.presence.unheld(keys, self.client.exists(keys)) if keys else []
 
     def present_or_writing(self, key: bytes) -> bool:
         return self.holds([key])[0]
@@ -135,7 +137,10 @@ class RedisTier(Tier):
         return oks
 
     def read_many(self, entries: Sequence[Entry], outs: Sequence[np.ndarray]) -> list[bool]:
-        return self.client.get([e.key for e in entries], outs)
+        refused: list[bytes] = []
+        oks = self.client.get([e.key for e in entries], outs, refused)
+        self.presence.refused(refused)  # kept in Redis, absent here a while (see .presence)
+        return oks
 
     def write(self, entry: Entry, src: np.ndarray) -> bool:
         return self.write_many([entry], [src])[0]
