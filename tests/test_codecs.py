@@ -102,6 +102,56 @@ def test_fp8_relative_error_within_e4m3_bound(name, dtype):
     assert float(rel.max()) <= 2**-4 + ulp * 1.01
 
 
+def edge_groups(dtype: str) -> torch.Tensor:
+    """Groups (rows of HEAD) at a dtype's edges, in float64: all +-max, max and random below it,
+    0.999 of max, a normal row, rows of subnormal magnitude (deep ones too), one smallest
+    subnormal among zeros, and zeros."""
+    fi = torch.finfo(TORCH[dtype])
+    g = torch.Generator().manual_seed(3)
+    r = torch.rand(HEAD, generator=g, dtype=torch.float64) * 2 - 1
+    sign = torch.where(torch.rand(HEAD, generator=g) < 0.5, -1.0, 1.0).double()
+    smallest = fi.tiny * fi.eps  # the smallest subnormal: 2**-24, 2**-133, 2**-149
+    rows = [sign * fi.max, torch.cat([torch.tensor([fi.max], dtype=torch.float64), r[1:] * fi.max]),
+            r / r.abs().max() * fi.max * 0.999, r, r * fi.tiny * 0.5, r * fi.tiny * 2**-8, r * fi.tiny * 2**-13,
+            torch.zeros(HEAD, dtype=torch.float64).index_fill_(0, torch.tensor([5]), smallest),
+            torch.zeros(HEAD, dtype=torch.float64)]
+    return torch.stack(rows).to(TORCH[dtype]).double()  # what the block holds, exactly
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int8+zstd", "fp8+zstd"])
+def test_lossy_codecs_at_the_dtypes_edges(name, dtype):
+    """Issue 45 finding 9: a float32 group whose max is near float32's max decoded to inf (int8),
+    and groups of subnormal magnitude came back off by ~100 % (float32) or as e4m3 NaN codes
+    that no decode accepts (bfloat16 fp8): the codes were ``x * (1 / scale)``, whose reciprocal
+    overflows. Now every group decodes finite, within the documented bound (int8: scale / 2;
+    fp8: 2**-4 relative, 2**-10 * scale absolute), plus half an ulp of the block dtype (its
+    smallest subnormal where the result is subnormal), and no group that is not all zeros gets
+    scale 0."""
+    x = edge_groups(dtype)
+    raw = x.to(TORCH[dtype]).reshape(-1).view(torch.uint8).numpy().copy()
+    c, enc, out = roundtrip(name, raw, dtype)
+    y = as_f32(out, dtype).double().view(-1, HEAD)
+    assert bool(torch.isfinite(y).all()), y.abs().amax(1)
+    fi = torch.finfo(TORCH[dtype])
+    qmax = 127 if name.startswith("int8") else 448
+    scale = x.abs().amax(1, keepdim=True) / qmax
+    rounding = y.abs() * fi.eps / 2 + fi.tiny * fi.eps  # the result's rounding to the dtype
+    if name.startswith("int8"):
+        bound = scale / 2 * (1 + 1e-5) + rounding
+    else:
+        bound = x.abs() * 2**-4 * (1 + 1e-5) + scale * 2**-10 + rounding
+    err = (y - x).abs()
+    assert bool((err <= bound).all()), (err / bound).amax(1)
+    assert bool((y[x.abs().amax(1) == 0] == 0).all())
+    q = c if c.fixed_size else c.inner
+    if not c.fixed_size:
+        enc = np.empty(q.encoded_bytes, np.uint8)
+        q.encode(raw, enc)
+    scales = torch.from_numpy(enc[: q.scale_bytes].copy()).view(torch.float32)
+    assert torch.equal(scales > 0, x.abs().amax(1) > 0)  # only an all-zero group has scale 0
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_fp8_decode_matches_torch_cast_for_every_code(dtype):
     """The fast fp8 decoder (float16 bit moves) equals torch's e4m3 cast for all 254 finite codes,
