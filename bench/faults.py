@@ -32,9 +32,12 @@ of figures:
    a load, a store and close() under timeout_ms 200; forged values in a real redis-server beside
    a store with KVSTORE_REMOTE_SECRET; another user against the RPC socket (its folder, its
    peer, its handles); every bad setting of the issue; a LIST and a folder planted where blocks
-   belong. ``trust_stall_ratio`` (the longest call over timeout_ms) must stay <= 1.5;
+   belong; and those of issue 45: zstd frames that declare 4 GiB or 1 TiB or lie about their
+   size, in Redis and in block files, and an engine with another secret beside a fleet's blocks.
+   ``trust_stall_ratio`` (the longest call over timeout_ms) must stay <= 1.5;
    ``trust_escaped``, ``trust_forged_served``, ``trust_hijacks_accepted``,
-   ``trust_bad_settings_accepted``/``_unclear`` and ``trust_heal_failures`` must be 0.
+   ``trust_bad_settings_accepted``/``_unclear``, ``trust_heal_failures``,
+   ``trust_bombs_unbounded``, ``trust_cross_secret_deleted`` and ``trust_cross_secret_lost`` must be 0.
 
 ``--quick`` runs the CI-sized version. ``--json PATH`` writes every figure (the headline ones
 at the top level: crash_cycles, corrupt_reads_served, fuzz_inputs, fuzz_crashes,
@@ -89,7 +92,7 @@ HEADLINE = ("crash_cycles", "corrupt_reads_served", "fuzz_inputs", "fuzz_crashes
             "shared_wrong_reads", "rss_drift_mb", "fd_drift", "corrupt_served", "poisoned_stores",
             "trust_longest_stall_s", "trust_stall_ratio", "trust_escaped", "trust_forged_served",
             "trust_hijacks_accepted", "trust_bad_settings_accepted", "trust_bad_settings_unclear",
-            "trust_heal_failures")
+            "trust_heal_failures", "trust_bombs_unbounded", "trust_cross_secret_deleted", "trust_cross_secret_lost")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -180,6 +183,9 @@ def render(data: dict) -> str:
     if families.get("trust", {}).get("stall_rows"):  # the longest of each call per hostile server
         tr = families["trust"]["stall_rows"]
         out += [markdown_table(tr, list(tr[0])), ""]
+    if families.get("trust", {}).get("bomb_rows"):  # each hostile zstd frame, per tier
+        br = [{**r, "peak": round(r["peak"] / 2**20, 2)} for r in families["trust"]["bomb_rows"]]
+        out += [markdown_table(br, ["where", "frame", "seconds", "peak", "why"]), ""]
     out.append(markdown_table([{"family": f, "seconds": s} for f, s in timings.items()], ["family", "seconds"]))
     out.append("\nno problems found" if not problems else "\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))
     return "\n".join(out)
@@ -201,7 +207,8 @@ def problems_of(data: dict) -> list[str]:
             "permissions": ["perm_violations", "perm_key_path_escapes"],
             "engine": ["corrupt_served", "poisoned_stores", "engine_not_healed"],
             "trust": ["trust_escaped", "trust_forged_served", "trust_hijacks_accepted", "trust_bad_settings_accepted",
-                      "trust_bad_settings_unclear", "trust_heal_failures"]}
+                      "trust_bad_settings_unclear", "trust_heal_failures", "trust_bombs_unbounded",
+                      "trust_cross_secret_deleted", "trust_cross_secret_lost", "trust_cross_secret_served"]}
     for f, keys in zero.items():
         for k in keys:
             if f in fam and fam[f].get(k):
@@ -240,7 +247,13 @@ def trust_problems(t: dict) -> list[str]:
             out.append("trust: no forged value was served even without a secret: the check proves nothing")
         if t["trust_honest_served"] < t["trust_honest_written"]:
             out.append("trust: honest values were not served to a store with the same secret")
-    if not t["trust_hijacks_tried"] or not t["trust_bad_settings_tried"] or not t["trust_heal_tried"]:
+    if "trust_cross_secret_blocks" in t:
+        if not t["trust_cross_secret_blocks"]:
+            out.append("trust: the cross-secret check stored nothing: it proves nothing")
+        if t["trust_rotation_served"] < t["trust_cross_secret_blocks"]:
+            out.append("trust: an engine rotating to a new secret did not serve the previous secret's blocks")
+    if not t["trust_hijacks_tried"] or not t["trust_bad_settings_tried"] or not t["trust_heal_tried"] \
+            or not t.get("trust_bombs_tried", 1):
         out.append("trust: a part of the family tried nothing")
     return out
 

@@ -466,7 +466,8 @@ def test_trust_family_through_the_cli(tmp_path):
     t = data["families"]["trust"]
     assert data["problems"] == [], data["problems"]
     for k in ("trust_escaped", "trust_forged_served", "trust_hijacks_accepted", "trust_bad_settings_accepted",
-              "trust_bad_settings_unclear", "trust_heal_failures"):
+              "trust_bad_settings_unclear", "trust_heal_failures", "trust_bombs_unbounded",
+              "trust_cross_secret_deleted", "trust_cross_secret_lost"):
         assert data[k] == 0, (k, t)
     # stalls: every call of every hostile server timed, each reached its server, none past 1.5 x timeout_ms
     assert t["trust_stall_calls"] == t["trust_stall_calls_reached"] == 4 * 7
@@ -481,6 +482,9 @@ def test_trust_family_through_the_cli(tmp_path):
     assert t["trust_hijacks_tried"] == 7 or os.getuid() != 0
     assert t["trust_bad_settings_tried"] == t["trust_bad_settings_refused"] >= 30
     assert t["trust_heal_tried"] == 4
+    # issue 45: every hostile zstd frame in Redis and in block files; another secret beside a fleet
+    assert t["trust_bombs_tried"] == 14 and t["trust_bombs_failed"] == []
+    assert t["trust_cross_secret_blocks"] == t["trust_rotation_served"] == 8 and t["trust_cross_secret_served"] == 0
     assert [x for x in tmp_path.iterdir() if x.name.startswith("kvstore-faults-")] == []
 
 

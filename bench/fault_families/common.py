@@ -37,13 +37,14 @@ def block_of(key: bytes, nbytes: int) -> np.ndarray:
 
 
 def make_config(path, *, block_bytes: int, dram_blocks: int = 0, nvme_blocks: int = 64, header: str = "auto",
-                dram_ttl=None, nvme_ttl=None, io_threads: int = 2, nvme_gb: float | None = None):
+                dram_ttl=None, nvme_ttl=None, io_threads: int = 2, nvme_gb: float | None = None,
+                nvme_codec: str = "none"):
     """``dram_blocks`` DRAM slots; NVMe room for ``nvme_blocks`` files with inline headers (or ``nvme_gb``)."""
     return from_dict({"tiers": {
         "dram": {"capacity_gb": capacity_gb(dram_blocks, block_bytes, "dram"), "ttl_s": dram_ttl, "pin_memory": False},
         "nvme": {"path": None if path is None else str(path), "ttl_s": nvme_ttl, "io_threads": io_threads,
                  "capacity_gb": nvme_gb if nvme_gb is not None else capacity_gb(nvme_blocks, block_bytes, "nvme"),
-                 "header": header}}})
+                 "header": header, "codec": nvme_codec}}})
 
 
 def open_store(path, *, block_bytes: int, clock: Callable[[], float] = time.time, **kw):

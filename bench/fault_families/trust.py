@@ -8,15 +8,21 @@ outsider would, through the real KVStore and real servers, sockets and files:
 - ``forged``: a store with a secret beside writers to the same real redis-server that forge
   values (valid header and xxh3 without a MAC, a random MAC, a MAC under another secret, another
   key's value replayed, a value in the namespace of engines without a secret); the blocks served
-  that no holder of the secret wrote. The same writers against stores without a secret are the
+  that no holder of the secret wrote (a value of our shape whose MAC alone fails is kept, one of
+  a shape no engine writes there deleted). The same writers against stores without a secret are the
   control: there forged blocks are served, so the check can fail;
 - ``hijacks`` and ``bad settings``: :mod:`.trust_local`;
 - ``heal``: a LIST under a kvstore key and a folder planted at a block path, before and after the
-  key was stored: a later store and load serve the block.
+  key was stored: a later store and load serve the block;
+- ``bombs``: zstd frames that declare 4 GiB or 1 TiB, or lie about their size, in Redis and in
+  block files (issue 45): :mod:`.trust_bombs`;
+- ``cross secret``: an engine with another secret beside a fleet's blocks, and one rotating
+  (issue 45): :mod:`.trust_secrets`.
 
 Headline figures (all but the first two must be 0): trust_longest_stall_s, trust_stall_ratio
 (to timeout_ms; a problem above 1.5), trust_escaped, trust_forged_served, trust_hijacks_accepted,
-trust_bad_settings_accepted, trust_heal_failures."""
+trust_bad_settings_accepted, trust_heal_failures, trust_bombs_unbounded, trust_cross_secret_deleted,
+trust_cross_secret_lost."""
 
 from __future__ import annotations
 
@@ -33,12 +39,14 @@ import numpy as np
 from kvstore.bench import redis_local
 from kvstore.bench.fault_families.common import FP, block_of, key_of, open_store
 from kvstore.bench.fault_families.hostile import MODES, FakeRedis
+from kvstore.bench.fault_families.trust_bombs import bombs
 from kvstore.bench.fault_families.trust_local import bad_settings, env, hijacks
+from kvstore.bench.fault_families.trust_secrets import cross_secret
 from kvstore.bench.stores import capacity_gb
 from kvstore.tiers import fileformat as ff
 from kvstore.config import from_dict
 from kvstore.store import KVStore
-from kvstore.tiers.redis.value import MAC_BYTES
+from kvstore.tiers.redis.value import MAC_BYTES, ValueFormat, mac_key
 
 T_MS = 200  # timeout_ms of the stores facing hostile servers
 STALL_LIMIT = 1.5  # x timeout_ms: the issue's bound per call
@@ -61,8 +69,11 @@ def trust(folder, *, rounds: int = 1, seed: int = 0, advance: Callable[[], None]
             out["trust_forged_control_tried"] = control["trust_forged_tried"]
             out["trust_forged_control_served"] = control["trust_forged_served"]
             out.update(heal(folder / "heal", srv, rounds, seed))
+            out.update(bombs(folder / "bombs", srv, _bomb_store, seed))
+            out.update(cross_secret(srv, _secret_store, seed, secret_a=SECRET_A, secret_b=SECRET_B))
     else:
-        out.update(forged_skipped="skipped: redis-server is not on PATH", **heal(folder / "heal", None, rounds, seed))
+        out.update(forged_skipped="skipped: redis-server is not on PATH", **heal(folder / "heal", None, rounds, seed),
+                   **bombs(folder / "bombs", None, _bomb_store, seed))
     step()
     out.update(hijacks(folder / "hijacks"))
     step()
@@ -72,14 +83,24 @@ def trust(folder, *, rounds: int = 1, seed: int = 0, advance: Callable[[], None]
 
 
 def remote_store(url, *, timeout_ms: int, dram_blocks: int = 0, password: str | None = None,
-                 secret: str | None = None) -> KVStore:
+                 secret: str | None = None, previous: str | None = None, codec: str = "none",
+                 block_bytes: int = BB) -> KVStore:
     """A store on ``url`` with no NVMe tier (``dram_blocks`` 0: the remote tier alone), the
-    credentials and secret given through the environment only, as an engine gets them."""
-    cfg = from_dict({"tiers": {"dram": {"capacity_gb": capacity_gb(dram_blocks, BB, "dram"), "pin_memory": False,
-                                        "ttl_s": None},
-                               "nvme": {"capacity_gb": 0}, "remote": {"url": url, "timeout_ms": timeout_ms}}})
-    with env(KVSTORE_REMOTE_SECRET=secret, KVSTORE_REMOTE_SECRET_PREVIOUS=None, KVSTORE_REDIS_PASSWORD=password):
-        return KVStore(cfg, block_bytes=BB, fingerprint=FP, block_tokens=FP.block_size)
+    credentials and secrets given through the environment only, as an engine gets them."""
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": capacity_gb(dram_blocks, block_bytes, "dram"),
+                                        "pin_memory": False, "ttl_s": None},
+                               "nvme": {"capacity_gb": 0},
+                               "remote": {"url": url, "timeout_ms": timeout_ms, "codec": codec}}})
+    with env(KVSTORE_REMOTE_SECRET=secret, KVSTORE_REMOTE_SECRET_PREVIOUS=previous, KVSTORE_REDIS_PASSWORD=password):
+        return KVStore(cfg, block_bytes=block_bytes, fingerprint=FP, block_tokens=FP.block_size)
+
+
+def _bomb_store(url, password, codec: str, block_bytes: int) -> KVStore:
+    return remote_store(url, timeout_ms=5000, password=password, codec=codec, block_bytes=block_bytes)
+
+
+def _secret_store(url, password, *, secret: str, previous: str | None = None) -> KVStore:
+    return remote_store(url, timeout_ms=5000, password=password, secret=secret, previous=previous)
 
 
 def _network_now(tier) -> None:
@@ -174,7 +195,6 @@ def forged(srv, rounds: int, seed: int, *, secret: str | None) -> dict:
     pw, url, c = srv.password, srv.url, srv.client(socket_timeout=5)
     honest = remote_store(url, timeout_ms=5000, password=pw, secret=secret)  # real server: no deadline misses
     reader = remote_store(url, timeout_ms=5000, password=pw, secret=secret)
-    other = remote_store(url, timeout_ms=5000, password=pw, secret=SECRET_B)
     plain = remote_store(url, timeout_ms=5000, password=pw)
     served, tried, deleted, by_case, examples = 0, 0, 0, {f: 0 for f in FORGERIES}, []
     hon_written = hon_served = 0
@@ -194,9 +214,9 @@ def forged(srv, rounds: int, seed: int, *, secret: str | None) -> dict:
                     c.set(name, forge(ns, cid, k, evil))
                 elif case == "random_mac":
                     c.set(name, forge(ns, cid, k, evil, flags=ff.FLAG_MAC, tail=os.urandom(MAC_BYTES)))
-                elif case == "secret_b":  # an engine with another secret stores it (the same namespace)
-                    other.put([k], evil[None])
-                    name = other.remote.client.redis_key(k)
+                elif case == "secret_b":  # a holder of another secret MACs it into the reader's namespace
+                    head, payload, mac = ValueFormat(ns, BB, None, cid, mac_key(SECRET_B.encode())).encode(k, evil, None)
+                    c.set(name, head + payload.tobytes() + mac)
                 elif case == "replay":  # an honest value of another key, under this key
                     c.set(name, c.get(honest.remote.client.redis_key(hkeys[0])))
                 else:  # a valid value where engines without a secret keep theirs
@@ -212,7 +232,7 @@ def forged(srv, rounds: int, seed: int, *, secret: str | None) -> dict:
                 deleted += c.exists(name) == 0
         reasons = dict(reader.remote.corrupt_reasons)
     finally:
-        for s in (honest, reader, other, plain):
+        for s in (honest, reader, plain):
             s.close()
         c.close()
     return {"trust_forged_tried": tried, "trust_forged_served": served, "trust_forged_served_by_case": by_case,
