@@ -84,7 +84,8 @@ def test_a_hit_lengthens_never_shortens(tmp_path):
         s.close()
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "3600", True])
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "3600", True,
+                                 10 ** 400])  # past a float (JSON gives it): was an OverflowError
 def test_bad_hints_are_clear_errors(tmp_path, bad):
     s = _store(tmp_path, FakeClock())
     try:

@@ -89,6 +89,19 @@ def check_ttl(ttl_s) -> float | None:
     """A retention hint: a positive finite number of seconds, or None (the config's TTL)."""
     if ttl_s is None:
         return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
-        raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
-    return float(ttl_s)
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0:
+        raise ValueError(f"ttl_s must be a positive number of seconds or None, got {_said(ttl_s)}")
+    try:  # an int past a float's range (JSON can give 10**400) is as infinite as inf, not an OverflowError
+        ttl = float(ttl_s)
+    except OverflowError:
+        ttl = math.inf
+    if ttl == math.inf:
+        raise ValueError(f"ttl_s must be a finite number of seconds, got {_said(ttl_s)}")
+    return ttl
+
+
+def _said(v) -> str:
+    """``v`` in an error message: at most 40 characters, and no repr of a 100,000-digit int."""
+    if isinstance(v, int) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    return f"{v!r:.40}"
