@@ -116,9 +116,10 @@ def _session(request: "Request") -> str:
     """The conversation a request belongs to: vLLM's own ``session_id`` (the OpenAI API's field),
     else ``kv_transfer_params: {"kvstore": {"session": ...}}``; "" (the request is its own) without
     either. Never the cache salt: that isolates tenants, and every session of a tenant shares it."""
-    sid = getattr(request, "session_id", None)
+    # from the API client as the hint is, so held to the same rule (a bad one is logged, not used)
+    sid = hints.checked(getattr(request, "session_id", None) or None, "session", request.request_id, "session_id")
     if sid:
-        return str(sid)
+        return sid
     return hints.word(getattr(request, "kv_transfer_params", None), "session", request.request_id) or ""
 
 
@@ -357,7 +358,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                 session=_session(request) if new else "")
         if new:  # retention hints (kvstore.offload.hints): a bad one is logged, the config applies
             params = getattr(request, "kv_transfer_params", None)
-            st.ttl, st.store = hints.parse(params, request.request_id)
+            st.ttl, st.store = hints.parse(params, request.request_id, self.config.hint_ttl_cap)
             st.tag = hints.word(params, "tag", request.request_id) or ""
             if self.events_on:
                 self._requests[request.request_id] = request
