@@ -19,11 +19,14 @@ them.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvstore.store.metrics import LATENCY_BUCKETS, MISS_REASONS, TIERS
+from kvstore.offload import hints
 from kvstore.offload.hooktime import HookTotals
 
 # Why a prompt token the engine needed was not served: the store's miss reasons for the first
@@ -38,8 +41,8 @@ UNSUPPLIED_REASONS = tuple(r for r in MISS_REASONS if r != "below_min") + (
     "partial_block", "load_failed", "not_loaded", "uncacheable", "store_error")
 
 
-MAX_TAGS = 20  # request tags with a label of their own (kvstore_engine_tag_*); the rest are OTHER_TAG
-OTHER_TAG = "other"
+MAX_TAGS = 20  # request tags with a label of their own (kvstore_engine_tag_*): the most recently used
+OTHER_TAG = "other"  # the tokens of tags that aged out of a label (and of a tag named "other")
 
 
 @dataclass
@@ -67,7 +70,7 @@ class RequestOutcome:
                    tuple(str(t) for t in d.get("tiers", ())),
                    {str(k): int(v) for k, v in dict(d.get("held", {})).items()},
                    {str(k): int(v) for k, v in dict(d.get("unsupplied", {})).items()}, int(d.get("errors", 0)),
-                   str(d.get("tag", ""))[:256])
+                   hints.checked(d.get("tag") or None, "tag", str(d["req_id"])) or "")  # as the hint was
 
 
 class OffloadMetrics:
@@ -98,15 +101,19 @@ class OffloadMetrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvstore_engine_save_seconds", "Worker time to save one step's blocks",
                                       buckets=LATENCY_BUCKETS, registry=r)
-        # per request tag (kv_transfer_params kvstore.tag): the first MAX_TAGS distinct tags get a
-        # label of their own, later ones count as "other" (a label set that cannot grow unbounded)
-        self.tag_prompt = Counter("kvstore_engine_tag_prompt_tokens", "Prompt tokens of tagged requests, by tag "
-                                  "(the first 20 distinct tags; later ones as 'other')", ["tag"], registry=r)
+        # per request tag (kv_transfer_params kvstore.tag): the MAX_TAGS most recently used tags
+        # have a label each; a new one takes the slot of the least recently used, whose series go
+        # (their tokens move to "other", so the sum over tags stays every tagged token). A label set
+        # that cannot grow, and that no 20 early tags hold for good.
+        doc = "(the 20 most recently used tags; the tokens of those that aged out as 'other')"
+        self.tag_prompt = Counter("kvstore_engine_tag_prompt_tokens", f"Prompt tokens of tagged requests, by tag "
+                                  f"{doc}", ["tag"], registry=r)
         self.tag_local = Counter("kvstore_engine_tag_local_hit_tokens", "Of those, tokens the engine already had "
-                                 "(its own prefix cache), by tag", ["tag"], registry=r)
+                                 f"(its own prefix cache), by tag {doc}", ["tag"], registry=r)
         self.tag_hit = Counter("kvstore_engine_tag_hit_tokens", "Of those, tokens kvstore pinned to load, by tag "
-                               "(a load that then fails is in it)", ["tag"], registry=r)
-        self._tags: set[str] = set()
+                               f"(a load that then fails is in it) {doc}", ["tag"], registry=r)
+        self._tags: OrderedDict[str, list[float]] = OrderedDict()  # tag -> its series' values, least recent first
+        self._tags_lock = threading.Lock()  # the scheduler's socket and the local client may both record
         self.hooks = HookTotals()  # kvstore_engine_hook_{seconds,calls}_total{side,hook} (offload.hooktime)
         r.register(self.hooks)
 
@@ -124,11 +131,7 @@ class OffloadMetrics:
             self.store_errors.labels("scheduler").inc(o.errors)
         self.requests.inc()
         if o.tag:
-            tag = o.tag if o.tag in self._tags or len(self._tags) < MAX_TAGS else OTHER_TAG
-            self._tags.add(tag)
-            self.tag_prompt.labels(tag).inc(o.prompt)
-            self.tag_local.labels(tag).inc(o.local)
-            self.tag_hit.labels(tag).inc(o.got)
+            self._count_tag(o.tag, (o.prompt, o.local, o.got))
         self.prompt_tokens.inc(o.prompt)
         self.local_tokens.inc(o.local)
         for t, n in o.held.items():
@@ -137,6 +140,24 @@ class OffloadMetrics:
         for why, n in o.unsupplied.items():
             if n:
                 self.unsupplied_tokens.labels(why).inc(n)
+
+    def _count_tag(self, tag: str, counts: tuple[int, int, int]) -> None:
+        """O(1) a request: a dict move, and at most one eviction (3 series removed, 3 added to)."""
+        series = (self.tag_prompt, self.tag_local, self.tag_hit)
+        with self._tags_lock:  # a series is never made again for a tag another thread just evicted
+            if tag != OTHER_TAG:
+                if tag in self._tags:
+                    self._tags.move_to_end(tag)
+                elif len(self._tags) >= MAX_TAGS:
+                    old, held = self._tags.popitem(last=False)
+                    for c, n in zip(series, held):
+                        c.remove(old)
+                        c.labels(OTHER_TAG).inc(n)
+                totals = self._tags.setdefault(tag, [0.0, 0.0, 0.0])
+                for i, n in enumerate(counts):
+                    totals[i] += n
+            for c, n in zip(series, counts):
+                c.labels(tag).inc(n)
 
     def summary(self) -> dict:
         """The engine view of :func:`kvstore.offload.readout.summarize` (logged by the connector at shutdown)."""
