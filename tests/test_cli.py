@@ -79,6 +79,39 @@ def test_stats_failures_are_one_line():
         srv.shutdown()
 
 
+def test_stats_prints_a_servers_labels_escaped():
+    """Finding 7: a tag with an ESC sequence cleared the operator's screen in ``kvstore stats``;
+    ``--url`` may name any server, so every label it sends is printed escaped."""
+    body = ("# TYPE kvstore_engine_prompt_tokens counter\nkvstore_engine_prompt_tokens_total 300\n"
+            "# TYPE kvstore_engine_tag_prompt_tokens counter\n"
+            'kvstore_engine_tag_prompt_tokens_total{tag="\x1b[2J\x1b]0;owned\x07"} 100\n'
+            'kvstore_engine_tag_prompt_tokens_total{tag="a\\nINFO forged line"} 100\n'
+            'kvstore_engine_tag_prompt_tokens_total{tag="rtl\u202eevil"} 100\n'
+            "# TYPE kvstore_engine_unsupplied_tokens counter\n"
+            'kvstore_engine_unsupplied_tokens_total{reason="\x1b[31mred"} 5\n').encode()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's hook
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        p = kv("stats", "--url", f"127.0.0.1:{srv.server_address[1]}")
+    finally:
+        srv.shutdown()
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert not any(c in p.stdout for c in "\x1b\x07\u202e"), p.stdout
+    assert not any(ln.startswith("INFO") for ln in p.stdout.splitlines())
+    assert "\\x1b[2J\\x1b]0;owned\\x07" in p.stdout and "a\\nINFO forged line" in p.stdout
+    assert "rtl\\u202eevil" in p.stdout and "\\x1b[31mred" in p.stdout
+
+
 def test_stats_reads_a_real_store(tmp_path):
     from kvstore import KVStore, ModelFingerprint, chain_keys
     from kvstore.ops.cli import main

@@ -182,6 +182,32 @@ def test_cli_json_text_and_plot(tmp_path, capsys):
     assert err.startswith("kvstore explain: error: ") and "missing.jsonl" in err and err.count("\n") == 1
 
 
+def test_what_a_trace_names_is_printed_escaped(tmp_path, capsys):
+    """Finding 7: a session (an API client's session id) reached the terminal raw: an ESC drove
+    it, a ``|`` broke the table, and ``$...$`` (matplotlib's math) stopped ``--plot``."""
+    import re
+
+    from kvstore.ops.cli import main
+
+    p = tmp_path / "t.jsonl"
+    prev = SYS + toks(12, 61)
+    evil = ["\x1b[2J\x1b]0;owned\x07", "a|b\nc", "$\\frac{$", "rtl\u202e"]
+    with open(p, "w") as f:
+        for i, name in enumerate(evil):  # each session: a first turn, then one whose blocks were gone
+            for r in (rec(name, 2 * i, prev), rec(name, 2 * i + 1, prev + [5, 6], hit=0, reason="\x1b[31mevicted")):
+                f.write(r.to_json() + "\n")
+    png = tmp_path / "explain.png"
+    assert main(["explain", "--trace", str(p), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any(c in text for c in "\x1b\x07\u202e")
+    assert "| \\x1b[2J\\x1b]0;owned\\x07 |" in text and "| a\\|b\\nc |" in text and "| rtl\\u202e |" in text
+    assert "(\\x1b[31mevicted)" in text and "expired_evicted by the store's reason: \\x1b[31mevicted 4" in text
+    table = text[text.index("\n| session |") + 1:].splitlines()
+    cells = {len(re.split(r"(?<!\\)\|", ln)) for ln in table if ln.startswith("|")}
+    assert len(table) == 2 + len(evil) and cells == {11}  # every row of the sessions table: its 9 cells
+
+
 # -- through a real vLLM engine ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

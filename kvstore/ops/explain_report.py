@@ -1,8 +1,14 @@
-"""Rendering of ``kvstore explain``'s report (kvstore.ops.explain): Markdown text and a PNG plot."""
+"""Rendering of ``kvstore explain``'s report (kvstore.ops.explain): Markdown text and a PNG plot.
+
+A session, a reason or a path comes from the trace (an API client's session id, through the
+connector): each is printed escaped, ``|`` too in a table cell (kvstore.ops.printable), and
+its ``$`` escaped in the plot (matplotlib reads ``$...$`` as math: a bad one stopped the plot).
+"""
 
 from __future__ import annotations
 
 from kvstore.ops.explain import APPEND, CLASSES, FIRST, HEAD, LOST, PROBLEMS, REWRITE, UNKNOWN
+from kvstore.ops.printable import cell, printable
 
 MEANS = {
     FIRST: "a session's first request (nothing to compare)",
@@ -23,7 +29,7 @@ def _where(ex: dict) -> str:
     if "diverged_tokens" in ex:
         lo, hi = ex["diverged_tokens"]
         return f"block {ex['diverged_block']} (tokens {lo}-{hi - 1})"
-    return f"got {ex.get('got_blocks', '?')} of {ex['want_blocks']} blocks ({ex.get('reason', '?')})"
+    return f"got {ex.get('got_blocks', '?')} of {ex['want_blocks']} blocks ({cell(ex.get('reason', '?'))})"
 
 
 def render(r: dict) -> str:
@@ -34,7 +40,7 @@ def render(r: dict) -> str:
         lost = f"at least {r['lost_tokens']} reusable tokens lost ({unknown} append-only turns unknown)"
     else:
         lost = f"reusable tokens lost: unknown ({unknown} append-only turns do not record what they got)"
-    out = [f"kvstore explain{' ' + r['trace'] if 'trace' in r else ''}: {r['requests']} requests, "
+    out = [f"kvstore explain{' ' + printable(r['trace']) if 'trace' in r else ''}: {r['requests']} requests, "
            f"{r['sessions']} sessions ({r['single_request_sessions']} with one request), block "
            f"{r['block_tokens']} tokens, {r['followup_turns']} follow-up turns; {lost}", ""]
     if r.get("fields_missing"):
@@ -68,26 +74,26 @@ def render(r: dict) -> str:
     out += [""] + [f"* {n}" for n in notes]
     if r["expired_evicted_reasons"]:
         out += ["", "expired_evicted by the store's reason: "
-                + ", ".join(f"{k} {v}" for k, v in r["expired_evicted_reasons"].items())]
+                + ", ".join(f"{printable(k, 64)} {v}" for k, v in r["expired_evicted_reasons"].items())]
     if any(r["examples"][c] for c in PROBLEMS):
         out += ["", "Examples (largest losses first):", "", "| class | session | turn | t | where | lost tokens |",
                 "|---|---|---|---|---|---|"]
         for c in PROBLEMS:
             for ex in r["examples"][c]:
-                out.append(f"| {c} | {ex['session']} | {ex['turn']} | {ex['t']:.3f} | {_where(ex)} | "
+                out.append(f"| {c} | {cell(ex['session'])} | {ex['turn']} | {ex['t']:.3f} | {_where(ex)} | "
                            f"{ex['lost_tokens']} |")
                 if "context" in ex:
                     cx = ex["context"]
                     out.append(f"|  | | | | from token {cx['from']}: previous {cx['previous']}, this {cx['this']} | |")
                 elif "note" in ex:
-                    out.append(f"|  | | | | {ex['note']} | |")
+                    out.append(f"|  | | | | {cell(ex['note'], None)} | |")
     if r["sessions_top"]:
         out += ["", f"Sessions by lost tokens (top {len(r['sessions_top'])}):", "",
                 "| session | turns | " + " | ".join(CLASSES) + " | lost tokens |",
                 "|---|---|" + "---|" * len(CLASSES) + "---|"]
         for s in r["sessions_top"]:
             lost_s = f"{s['lost_tokens']} + unknown" if s[UNKNOWN] else str(s["lost_tokens"])
-            out.append(f"| {s['session']} | {s['turns']} | " + " | ".join(str(s[c]) for c in CLASSES)
+            out.append(f"| {cell(s['session'])} | {s['turns']} | " + " | ".join(str(s[c]) for c in CLASSES)
                        + f" | {lost_s} |")
     return "\n".join(out)
 
@@ -101,7 +107,7 @@ def plot(r: dict, path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     ss = r["sessions_top"]
-    names = [s["session"][:16] for s in ss]
+    names = [printable(s["session"], 16).replace("$", r"\$") for s in ss]
     left = [0] * len(ss)
     for c in CLASSES:
         vals = [s[c] for s in ss]

@@ -34,6 +34,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 from redis.retry import Retry
 
 from kvstore.ops.errors import FAILED, CommandError
+from kvstore.ops.printable import printable
 from kvstore.tiers import fileformat as ff
 from kvstore.codecs.registry import CODEC_NAMES
 from kvstore.tiers.nvme.folder import read_header
@@ -245,7 +246,8 @@ def inspect_remote(url: str | list[str], *, cluster: bool = False, limit: int | 
                     else "refused the username/password given")
             return CommandError(f"{shown} {what}; set {ENV_PASSWORD} (and {ENV_USER} for an ACL user) in the "
                                 "environment", FAILED)
-        return CommandError(f"{shown} failed: {type(e).__name__}: {msg}", FAILED)
+        # the server wrote msg: one line, escaped (kvstore.ops.printable), never its whole answer
+        return CommandError(f"{shown} failed: {type(e).__name__}: {printable(msg, 300)}", FAILED)
 
     out: dict = {"url": shown, "cluster": cluster, "servers": 0, "namespaces": {}, "blocks": 0, "bytes": 0,
                  "bad_values": 0, "other_keys": 0, "values_read": 0, "limit": limit, "limit_reached": False}
