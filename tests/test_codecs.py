@@ -248,6 +248,16 @@ def test_zstd_streams_a_frame_of_unknown_size_up_to_one_block():
             c.decode(bad, len(bad), out)
 
 
+def test_zstd_refuses_a_second_frame_after_the_block():
+    """python-zstandard 0.25 decodes the first frame only and by default ignores what follows: a
+    block's own frame followed by a bomb decoded as the block. Nothing kvstore writes has a
+    second frame: refused, the bomb never decoded."""
+    c = make_codec("zstd", Geometry(BB, "uint8"))
+    two = np.frombuffer(bombs.payload(BB, BB, byte=9) + bombs.frame(4 << 30, 1 << 20), np.uint8)
+    with pytest.raises(CodecError, match="unused data"):
+        c.decode(two, len(two), np.zeros(BB, np.uint8))
+
+
 def test_config_zstd_level_and_dram_codec():
     assert from_dict({}).tiers.nvme.zstd_level == 3
     assert from_dict({"tiers": {"nvme": {"zstd_level": 19}}}).tiers.nvme.zstd_level == 19
