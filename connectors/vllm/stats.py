@@ -67,7 +67,7 @@ class StatsTaker:
         self._next = now + self.every_s
         if self.refresh is not None:
             self.refresh()
-        counters, gauges = {}, {}
+        counters, gauges, seen = {}, {}, set()
         for c in list(self.registry._collector_to_names):
             if not isinstance(c, (Counter, Gauge)):
                 continue
@@ -79,10 +79,18 @@ class StatsTaker:
                     k = _key(c._name, [s.labels.get(n, "") for n in names])
                     if c._type == "gauge":
                         gauges[k] = s.value
-                    elif s.value != self._last.get(k, 0.0):
+                        continue
+                    seen.add(k)
+                    if s.value != self._last.get(k, 0.0):
                         counters[k] = s.value - self._last.get(k, 0.0)
                         self._last[k] = s.value
-        return {"counters": counters, "gauges": gauges} if counters or gauges else None
+        # a series the registry removed (a request tag that aged out of its label slot,
+        # kvstore.offload.metrics): forgotten here, and removed on vLLM's side too
+        removed = [k for k in self._last if k not in seen]
+        for k in removed:
+            del self._last[k]
+        out = {"counters": counters, "gauges": gauges} if counters or gauges else {}
+        return {**out, "removed": removed} if removed else out or None
 
 
 @dataclass
@@ -94,10 +102,14 @@ class KVStoreStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> "KVStoreStats":
         c = dict(self.data.get("counters", {}))
+        removed = list(self.data.get("removed", []))
+        for k in other.data.get("removed") or ():  # its earlier increments went with the series
+            c.pop(k, None)
+            removed.append(k)
         for k, v in (other.data.get("counters") or {}).items():
             c[k] = c.get(k, 0.0) + v
         g = {**self.data.get("gauges", {}), **(other.data.get("gauges") or {})}
-        self.data = {"counters": c, "gauges": g}
+        self.data = {"counters": c, "gauges": g, **({"removed": removed} if removed else {})}
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -112,7 +124,7 @@ class KVStoreStats(KVConnectorStats):
         return {"kvstore served tokens": int(served), "kvstore stored blocks": int(stored)}
 
     def is_empty(self) -> bool:
-        return not self.data.get("counters") and not self.data.get("gauges")
+        return not self.data.get("counters") and not self.data.get("gauges") and not self.data.get("removed")
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
@@ -131,6 +143,13 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = list(self.per_engine_labelvalues.get(engine_idx, []))
+        for k in transfer_stats_data.get("removed") or ():  # before the counters: a tag back after it aged out
+            name, values = json.loads(k)
+            m = self.metrics.get(name)
+            try:
+                m.remove(*engine, *values)
+            except (AttributeError, KeyError, ValueError):  # never made here, or a metric type without remove
+                pass
         for kind in ("counters", "gauges"):
             for k, v in (transfer_stats_data.get(kind) or {}).items():
                 name, values = json.loads(k)
