@@ -354,3 +354,14 @@ def test_step_token_accounting_splits_prefill_from_decode(world):
     for new, cached, sched, tokens, prefill in rows:
         plan = w.step(new, cached, sched)[0]
         assert (plan.tokens, plan.prefill_tokens) == (tokens, prefill)
+
+
+@pytest.mark.parametrize("rid", ["r" * 5_000_000, "cmpl-1\nINFO admin token accepted", "\x1b[2J"])
+def test_a_request_id_a_session_name_could_not_be_is_named_by_its_digest(world, rid):
+    """An OpenAI client chooses the request id; a request without a session is its own, and its
+    id went raw into the trace and ``kvstore explain`` (a 5 MB id: 5 MB a trace line)."""
+    w = world()
+    st, _ = w.request(rid, toks(83))
+    assert st.session.startswith("req-") and len(st.session) == 20 and st.session.isprintable()
+    assert w.request(rid + "x", toks(83))[0].session != st.session
+    assert w.request("cmpl-42", toks(83, 1))[0].session == "cmpl-42"  # a plain id stays itself

@@ -54,7 +54,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import xxhash
+
 from kvstore.keys import ModelFingerprint, chain_keys
+from kvstore.offload import hints
 from kvstore.offload.client import StoreClient
 from kvstore.offload.groups import KVGroups
 from kvstore.offload.metrics import RequestOutcome
@@ -157,6 +160,15 @@ class RequestState:
         self.tables[0] = ids
 
 
+def _own_session(req_id: str) -> str:
+    """A request without a session is its own: named by its id, which an OpenAI client may choose
+    (any length, any characters); one that a session name could not be (hints.WORD_RULE) is
+    named by its digest instead, so the trace and ``kvstore explain`` never carry it raw."""
+    if 0 < len(req_id) <= hints.MAX_WORD and req_id.isprintable():
+        return req_id
+    return "req-" + xxhash.xxh3_64_hexdigest(req_id.encode("utf-8", "surrogatepass"))
+
+
 class Planner:
     def __init__(self, client: StoreClient, fingerprint: ModelFingerprint, block_size: int, *, prefetch: bool = True,
                  trace: TraceWriter | None = None, async_loads: bool = False, async_saves: bool = False,
@@ -218,7 +230,7 @@ class Planner:
         if st is None:
             st = RequestState(req_id, tokens if tokens is not None else (), num_prompt_tokens, extra, list(mm or []))
             st.cacheable = tokens is not None
-            st.arrival, st.session = arrival, session or req_id
+            st.arrival, st.session = arrival, session or _own_session(req_id)
             self.reqs[req_id] = st
             if st.cacheable:
                 st.replay = self.replays.see(self._digest(st))
