@@ -9,10 +9,15 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+
+import pytest
 
 from kvstore.bench.ports import free_port
-from kvstore.store import machine
+from kvstore.config import ConfigError, from_dict
+from kvstore.store import KVStore, machine
 from kvstore.store.metrics import StoreMetrics
+from conftest import FP
 
 HOLD = """
 import sys, time
@@ -55,3 +60,98 @@ def test_a_listener_that_is_not_kvstore_is_not_taken_for_one():
         assert not machine.kvstore_exports(s.getsockname()[1], timeout=0.2)
     finally:
         s.close()
+
+
+# -- metrics.host (issue 45, finding 4): loopback unless the operator says otherwise ---------------
+
+
+def _other_address() -> str:
+    """An address of this machine that is not 127.0.0.1: the one its default route leaves from (a
+    UDP connect sends nothing), else 127.0.0.2 (all of 127/8 is this machine's on Linux)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("203.0.113.1", 9))  # TEST-NET-3: only the route is looked up
+            addr = s.getsockname()[0]
+        if not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    return "127.0.0.2"
+
+
+def _answers(host: str, port: int) -> bool:
+    """Does something accept a connection at ``host``:``port``?"""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _metrics_text(host: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_metrics_listen_on_loopback_only_by_default():
+    port, other = _free_port(), _other_address()
+    m = StoreMetrics(port=port)
+    try:
+        srv, _ = m._server
+        assert srv.socket.getsockname() == ("127.0.0.1", port)  # was ("0.0.0.0", port)
+        assert "kvstore_store_info" in _metrics_text("127.0.0.1", port)
+        assert not _answers(other, port), f"metrics answered on {other}"
+    finally:
+        m.close()
+
+
+def test_metrics_host_every_interface_is_the_operators_choice(tmp_path):
+    """metrics.host: 0.0.0.0, through the config and the store, listens where it did before."""
+    port, other = _free_port(), _other_address()
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": 0.001, "pin_memory": False},
+                               "nvme": {"path": str(tmp_path / "n"), "capacity_gb": 0.01}},
+                     "metrics": {"port": port, "host": "0.0.0.0"}})
+    with KVStore(cfg, block_bytes=8192, fingerprint=FP) as store:
+        assert store.metrics._server[0].socket.getsockname() == ("0.0.0.0", port)
+        assert "kvstore_store_info" in _metrics_text(other, port)
+
+
+def test_the_port_check_binds_where_the_server_will():
+    """A port another program holds on another address of this machine is free on loopback (the
+    check said "in use", binding 0.0.0.0); one held on loopback, or checked for 0.0.0.0, is not."""
+    other = _other_address()
+    port = free_port(host=other)
+    held = socket.socket()
+    held.bind((other, port))
+    held.listen(1)
+    try:
+        assert machine.port_error(port) is None
+        _, errors = machine.config_errors(overrides={"metrics": {"port": port},
+                                                     "tiers": {"dram": {"capacity_gb": 0.1}}})
+        assert errors == []
+        StoreMetrics(port=port).close()  # and the server binds there indeed
+        e = machine.port_error(port, "0.0.0.0")
+        assert e is not None and e.key == "metrics.port" and "in use on 0.0.0.0" in e.why
+        _, errors = machine.config_errors(overrides={"metrics": {"port": port, "host": "0.0.0.0"},
+                                                     "tiers": {"dram": {"capacity_gb": 0.1}}})
+        assert [e.key for e in errors] == ["metrics.port"]
+    finally:
+        held.close()
+    port = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen(1)
+        e = machine.port_error(port)
+        assert e is not None and e.key == "metrics.port" and "in use on 127.0.0.1" in e.why
+        with pytest.raises(ConfigError) as ei:
+            StoreMetrics(port=port)
+        assert str(ei.value) == str(e)
+
+
+def test_a_metrics_host_not_of_this_machine_names_metrics_host():
+    port = _free_port()
+    e = machine.port_error(port, "198.51.100.7")  # TEST-NET-2: no interface of this machine has it
+    assert e is not None and e.key == "metrics.host" and e.value == "198.51.100.7"
+    with pytest.raises(ConfigError) as ei:
+        StoreMetrics(port=port, host="198.51.100.7")
+    assert str(ei.value) == str(e)

@@ -33,6 +33,7 @@ MEMINFO = "/proc/meminfo"
 PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (2**63 - 4096 here)
+LOOPBACK = "127.0.0.1"  # metrics.host's default
 
 
 def headroom_bytes(total: int) -> int:
@@ -146,20 +147,33 @@ def check_dram(cfg: StoreConfig) -> None:
         raise e
 
 
-def port_refused(port: int, e: OSError) -> ConfigError:
-    """The error for a metrics port this process cannot listen on (``e``: the bind's)."""
-    why = {errno.EADDRINUSE: "in use: something else listens on it", errno.EACCES: "a port below 1024 needs privileges"}
+def port_refused(port: int, e: OSError, host: str = LOOPBACK) -> ConfigError:
+    """The error for a metrics port this process cannot listen on at ``host`` (``e``: the bind's,
+    or the name lookup's): ``metrics.host`` where the address is the problem, else ``metrics.port``."""
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return ConfigError("metrics.host", host, "an address of this machine (127.0.0.1, ::1; 0.0.0.0 or :: "
+                           "for every interface) or a host name that resolves to one", e.strerror or str(e))
+    why = {errno.EADDRINUSE: f"in use on {host}: something else listens on it",
+           errno.EACCES: "a port below 1024 needs privileges"}
     return ConfigError("metrics.port", port, "a free port in [1, 65535] this process may listen on, or null",
                        why.get(e.errno, e.strerror or str(e)))
 
 
-def kvstore_exports(port: int, timeout: float = 1.0) -> bool:
-    """Does another kvstore store (a rank or engine on this host) export its metrics on ``port``?
-    One GET of its /metrics on loopback; anything else there (or nothing answering) is not."""
+def listen_address(host: str, port: int) -> tuple[int, tuple]:
+    """(family, sockaddr) the exporter binds for ``host``: the first of getaddrinfo, as
+    prometheus_client's ``start_http_server(port, addr=host)`` picks it (raises socket.gaierror)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return family, sockaddr
+
+
+def kvstore_exports(port: int, timeout: float = 1.0, host: str = LOOPBACK) -> bool:
+    """Does another kvstore store (a rank or engine on this host) export its metrics on ``port``
+    at ``host``? One GET of its /metrics (at loopback for 0.0.0.0 or ::); anything else there (or
+    nothing answering) is not."""
     import http.client
 
     try:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        c = http.client.HTTPConnection({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), port, timeout=timeout)
         try:
             c.request("GET", "/metrics")
             r = c.getresponse()
@@ -170,20 +184,25 @@ def kvstore_exports(port: int, timeout: float = 1.0) -> bool:
         return False
 
 
-def port_error(port: int | None) -> ConfigError | None:
-    """``metrics.port`` that cannot be listened on now: a trial bind as the exporter binds
-    (0.0.0.0, SO_REUSEADDR), closed at once. Held by another kvstore store (several ranks or
-    engines on one host, one config): not an error (:meth:`StoreMetrics._serve` says so)."""
+def port_error(port: int | None, host: str = LOOPBACK) -> ConfigError | None:
+    """``metrics.port`` that cannot be listened on at ``metrics.host`` now: a trial bind where and
+    as the exporter binds (SO_REUSEADDR), closed at once. A port held on another address is no
+    conflict (one held on 0.0.0.0 is). Held by another kvstore store (several ranks or engines on
+    one host, one config): not an error (:meth:`StoreMetrics._serve` says so)."""
     if port is None:
         return None
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        family, sockaddr = listen_address(host, port)
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        return port_refused(port, e, host)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
+        s.bind(sockaddr)
     except OSError as e:
-        if e.errno == errno.EADDRINUSE and kvstore_exports(port):
+        if e.errno == errno.EADDRINUSE and kvstore_exports(port, host=host):
             return None
-        return port_refused(port, e)
+        return port_refused(port, e, host)
     finally:
         s.close()
     return None
@@ -248,8 +267,8 @@ def trace_error(cfg: StoreConfig) -> ConfigError | None:
 
 def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
     """Every check above (for ``kvstore config``)."""
-    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port), nvme_error(cfg), trace_error(cfg))
-            if e is not None]
+    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port, cfg.metrics.host), nvme_error(cfg),
+                        trace_error(cfg)) if e is not None]
 
 
 def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | None = None, *,
@@ -264,6 +283,8 @@ def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | No
     cfg = load_config(path, overrides=overrides, errors=errors)
     if cfg is not None:  # the machine's checks, for keys not already bad
         bad = {e.key for e in errors}
-        machine = [dram_error(cfg), nvme_error(cfg), trace_error(cfg)] + ([port_error(cfg.metrics.port)] if ports else [])
+        machine = [dram_error(cfg), nvme_error(cfg), trace_error(cfg)]
+        if ports:
+            machine.append(port_error(cfg.metrics.port, cfg.metrics.host))
         errors += [e for e in machine if e is not None and e.key not in bad]
     return cfg, errors

@@ -31,7 +31,9 @@ _serving_lock = threading.Lock()
 
 
 class StoreMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, port: int | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, port: int | None = None, host: str = "127.0.0.1"):
+        """``port``, ``host``: metrics.port and metrics.host (None: not exported over HTTP). Loopback
+        by default: the labels name the model, the chain root, the namespace and request tags."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         # Store lookups, as any caller of KVStore.contains_prefix(record=True) makes them (the
@@ -103,14 +105,16 @@ class StoreMetrics:
         self._synced: dict = {}  # the tiers' own counts already added (sync)
         self._server = None
         self._port = port
+        self._host = host
         self._lock = threading.Lock()
         if port:
             self._serve(port)
 
     def _serve(self, port: int) -> None:
-        """Export on ``port``. Held by another program: a ConfigError naming metrics.port. Held by
-        another store of this process, or of another process of this host (tensor-parallel ranks,
-        engines sharing a config): one warning, and this store's metrics stay unexported there
+        """Export on ``port`` at metrics.host only (0.0.0.0: every interface). Held by another program:
+        a ConfigError naming metrics.port; an address not of this machine: one naming metrics.host.
+        Held by another store of this process, or of another process of this host (tensor-parallel
+        ranks, engines sharing a config): one warning, and this store's metrics stay unexported there
         (one registry per port; every engine's rank 0 shows on vLLM's /metrics as vllm:kvstore_*)."""
         with _serving_lock:
             other = _serving.get(port)
@@ -119,16 +123,16 @@ class StoreMetrics:
                             "store's metrics are not exported (give each store its own port)", port)
                 return
             try:
-                self._server = start_http_server(port, registry=self.registry)
+                self._server = start_http_server(port, addr=self._host, registry=self.registry)
             except OSError as e:
                 from kvstore.store.machine import kvstore_exports, port_refused
 
-                if e.errno == errno.EADDRINUSE and kvstore_exports(port):
+                if e.errno == errno.EADDRINUSE and kvstore_exports(port, host=self._host):
                     log.warning("kvstore: metrics.port %d exports another kvstore store of this host (another rank "
                                 "or engine); this store's metrics are not exported there: rank 0's show on vLLM's "
                                 "/metrics as vllm:kvstore_*", port)
                     return
-                raise port_refused(port, e) from None
+                raise port_refused(port, e, self._host) from None
             _serving[port] = self
 
     # -- the sink: what the store, its chain's plans and its moves report ----------------------------

@@ -83,7 +83,7 @@ class KVStore:
         self.root = root_of(fingerprint)
         self._closed = False
         check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
-        self.metrics = metrics or StoreMetrics(port=self.config.metrics.port)
+        self.metrics = metrics or StoreMetrics(port=self.config.metrics.port, host=self.config.metrics.host)
         try:
             self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
                                      clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events)
