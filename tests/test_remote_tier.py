@@ -174,6 +174,22 @@ def test_a_put_never_sends_a_px_redis_refuses(redis_single, ttl_s):
     assert t.get(keys, outs_for(2, 4096)) == [True, True]
 
 
+@pytest.mark.parametrize("where", ["single", "cluster"])
+def test_a_read_refreshes_the_ttl_and_never_shortens_a_longer_hint(where, redis_single, redis_cluster):
+    """PEXPIRE ... GT (Redis >= 7, learnt at check()): a block stored with a 1-day hint on a 600 s
+    tier kept 600 s from its first read (the hint's promise: a hit lengthens, never shortens)."""
+    srv = redis_single if where == "single" else redis_cluster
+    keys, blocks = keys_and_blocks(2, bb=4096, seed=11)
+    t = tier_for(srv, bb=4096, ttl_s=600.0)
+    t.check()
+    c = srv.client()
+    assert t.put(keys[:1], blocks[:1], ttl_s=86_400.0) == [True] and t.put(keys[1:], blocks[1:]) == [True]
+    c.pexpire(t.redis_key(keys[1]), 5_000)
+    assert t.get(keys, outs_for(2, 4096)) == [True, True]
+    assert c.pttl(t.redis_key(keys[0])) > 86_000_000  # was 600,000 after the read
+    assert 590_000 < c.pttl(t.redis_key(keys[1])) <= 600_000  # a shorter one is still refreshed
+
+
 def test_an_empty_value_is_a_plain_miss(redis_single):
     """An empty value cannot be told from a key that another engine SET between the GETRANGE and
     the PEXPIRE of one read: a miss, never counted corrupt; exists() reports it absent, and the

@@ -76,6 +76,18 @@ def px_of(ttl_s: float) -> int:
     return max(1, int(max(t, 0.0) * 1000))
 
 
+def _major_version(c) -> int:
+    """The server's major version from HELLO (in the ACL the docs give), 0 if it does not say."""
+    try:
+        r = c.execute_command("HELLO")
+        if isinstance(r, list):  # RESP2: a flat list of field, value
+            r = dict(zip(r[::2], r[1::2]))
+        v = r.get(b"version", r.get("version", b"0"))
+        return int((v.decode() if isinstance(v, bytes) else str(v)).split(".")[0])
+    except Exception:  # noqa: BLE001 - an old server or a refused command: plain PEXPIRE
+        return 0
+
+
 class RedisClient:
 
     def __init__(self, *, url: str | list[str], cluster: bool, namespace: bytes, block_bytes: int,
@@ -125,6 +137,10 @@ class RedisClient:
         self._refresh = False  # a cluster answered MOVED/ASK or CLUSTERDOWN: reread its slots first
         self._pool = ThreadPoolExecutor(self._io_threads, "kvs-remote") if cluster else None
         self._delay = 0.0
+        # PEXPIRE ... GT at a read (Redis >= 7.0, Valkey): a hit refreshes the TTL, never shortens
+        # it: a block stored with a longer TTL hint (86,400 s on a 600 s tier) was cut back to the
+        # tier's at its first read. Older servers refuse GT: learnt from HELLO at check()
+        self._pexpire_gt = False
         self._down_until = float("-inf")
         # per block (per key): timeouts, errors_* and skipped_down count blocks, not calls
         self.stats = {k: 0 for k in ("hits", "misses", "puts", "bytes_read", "bytes_written", "errors_get",
@@ -184,8 +200,10 @@ class RedisClient:
                 except Exception:  # noqa: BLE001 - the next seed, then the cluster client says why
                     continue
             try:
-                for c in self._nodes():
+                nodes = self._nodes()
+                for c in nodes:
                     c.ping()
+                self._pexpire_gt = all(_major_version(c) >= 7 for c in nodes)
             except AuthenticationError as e:
                 raise self._auth_error(e) from None
             except Exception as e:  # noqa: BLE001 - whatever the client library raised
@@ -355,11 +373,12 @@ class RedisClient:
         names = [self.redis_key(keys[i], f) for i in idx]
         cap = f.value_max
         px = self.ttl_ms if f is self.values else None  # the previous secret's values are not kept alive
+        gt = self._pexpire_gt
 
         def add(p, j) -> None:
             p.getrange(names[j], 0, cap)
             if px is not None:
-                p.pexpire(names[j], px)
+                p.pexpire(names[j], px, gt=gt)
 
         res = self._call("get", names, add, per=1 if px is None else 2)
         if res is None:
