@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from kvstore.configfields import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -112,11 +114,30 @@ def own_link(path: str | os.PathLike) -> bool:
     return stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
 
 
+TRACE_ALLOWED = "a file path this process can create or append to (a regular file of this user's, mode 0600), or null"
+
+
+def not_private(st: os.stat_result) -> str | None:
+    """Why an existing trace file is not one kvstore may append to (None: it may): it must be this
+    user's and open to no one else, since its lines name sessions and tags (and hold prompt token
+    ids with trace_tokens). A file another user made first at the name (in a shared folder such as
+    /tmp) is theirs to read, whatever its mode."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        return f"the file is owned by uid {st.st_uid}, not by this user (uid {me}): another user made it"
+    if st.st_mode & 0o077:
+        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets group or others at it (chmod 600 it)"
+    return None
+
+
 FLUSH_BYTES = 1 << 16  # lines are appended once this many bytes (or flush_every lines) are buffered
 
 
 class TraceWriter:
     """Appends records to a JSONL file; thread-safe; buffered (cheap on the hot path).
+
+    The file must be this user's, mode 0600 (:func:`not_private`): one it finds otherwise, made
+    first by someone else or opened to others, is refused with a ConfigError naming trace_path.
 
     A write that fails (a full disk, EIO) never reaches the caller, which is vLLM's scheduler
     finishing a request: the buffered lines are dropped and counted (``dropped``), a warning is
@@ -141,12 +162,17 @@ class TraceWriter:
         self.path = os.fspath(path)
         # 0600 when it creates the file (a trace names sessions and prompt hashes); never through a
         # symlink another user planted at the name (O_NOFOLLOW; this user's own link is the
-        # operator's choice), never blocking on a FIFO (O_NONBLOCK, then a regular file is required)
+        # operator's choice), never blocking on a FIFO (O_NONBLOCK, then a regular file is required);
+        # a file found there must be this user's and private (checked on the open file: no race)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
                      | (0 if own_link(self.path) else os.O_NOFOLLOW), 0o600)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", self.path)
+            why = not_private(st)
+            if why is not None:
+                raise ConfigError("trace_path", self.path, TRACE_ALLOWED, why)
             os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)

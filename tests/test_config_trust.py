@@ -417,6 +417,7 @@ def test_a_quoted_false_engine_is_off_like_an_unquoted_one():
 def test_a_trace_path_the_connector_could_not_open_is_refused_before_start(tmp_path):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "old.jsonl").write_text("")
+    (tmp_path / "old.jsonl").chmod(0o600)  # a file found there must be this user's and private (issue 45)
     for bad in (tmp_path, tmp_path / "afile" / "t.jsonl"):
         _, errors = machine.config_errors(overrides={"trace_path": str(bad), "tiers": {"dram": {"capacity_gb": 0.1}}})
         assert [e.key for e in errors] == ["trace_path"], errors

@@ -87,3 +87,48 @@ def test_buffered_lines_are_bounded_in_bytes(tmp_path):
     assert len(list(read_trace(tmp_path / "t.jsonl"))) == 1  # a small one waits
     w.close()
     assert len(list(read_trace(tmp_path / "t.jsonl"))) == 2
+
+
+# -- issue 45, finding 5: a file found at trace_path must be this user's and private --------------
+
+
+def _refused(path) -> str:
+    """The ConfigError the writer and the config check give for ``path`` (the same words)."""
+    from kvstore.config import ConfigError
+    from kvstore.store import machine
+
+    with pytest.raises(ConfigError) as ei:
+        TraceWriter(path)
+    _, errors = machine.config_errors(overrides={"trace_path": str(path), "tiers": {"dram": {"capacity_gb": 0.1}}})
+    assert [e.key for e in errors] == ["trace_path"] and ei.value.key == "trace_path"
+    assert ei.value.why == errors[0].why and "mode 0600" in ei.value.allowed
+    return ei.value.why
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: to make a file owned by another user")
+def test_a_trace_file_another_user_made_first_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # sticky and world-writable, as /tmp
+    path = shared / "t.jsonl"
+    for mode in (0o666, 0o600):  # whatever its mode: its owner reads it
+        path.write_text("")
+        os.chown(path, 65534, 65534)
+        path.chmod(mode)
+        assert "owned by uid 65534" in _refused(path)
+        assert path.read_text() == ""  # nothing appended
+        path.unlink()
+
+
+def test_a_trace_file_open_to_others_is_refused_until_it_is_0600(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("")
+    for mode in (0o666, 0o644, 0o620):
+        path.chmod(mode)
+        assert f"mode {mode:04o}" in _refused(path)
+    assert path.read_text() == ""
+    path.chmod(0o600)
+    w = TraceWriter(path)
+    w.write(0.0, "s", [b"k" * 16], 16, 16, 1)
+    w.close()
+    assert len(list(read_trace(path))) == 1

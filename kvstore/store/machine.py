@@ -241,28 +241,32 @@ def _creatable(key: str, path: str, parent: Path, allowed: str) -> ConfigError |
 
 def trace_error(cfg: StoreConfig) -> ConfigError | None:
     """``trace_path`` the connector could not open for appending (a folder, a device, a parent that
-    is a file or not writable); creates nothing. The connector opens it when it starts, after vLLM
-    has loaded the model, so this is checked before."""
+    is a file or not writable) or would refuse (a file of another user's, or open to group or
+    others: :func:`kvstore.trace.not_private`); creates nothing. The connector opens it when it
+    starts, after vLLM has loaded the model, so this is checked before."""
     t = cfg.trace_path
     if t is None:
         return None
-    from kvstore.trace import own_link
+    from kvstore.trace import TRACE_ALLOWED, not_private, own_link
 
-    allowed = "a file path this process can create or append to (a regular file), or null"
     p = Path(t)
     try:
         if p.is_symlink() and not own_link(p):
-            return ConfigError("trace_path", t, allowed, "a symlink of another user's, which it never writes through")
+            return ConfigError("trace_path", t, TRACE_ALLOWED,
+                               "a symlink of another user's, which it never writes through")
         if p.exists():
             if not p.is_file():
-                return ConfigError("trace_path", t, allowed, "it is not a regular file")
+                return ConfigError("trace_path", t, TRACE_ALLOWED, "it is not a regular file")
+            why = not_private(p.stat())
+            if why is not None:
+                return ConfigError("trace_path", t, TRACE_ALLOWED, why)
             if not os.access(p, os.W_OK):
-                return ConfigError("trace_path", t, allowed, "this process may not write it")
+                return ConfigError("trace_path", t, TRACE_ALLOWED, "this process may not write it")
             return None
         parent = next(a for a in p.parents if a.exists())
     except OSError as e:
-        return ConfigError("trace_path", t, allowed, str(e))
-    return _creatable("trace_path", t, parent, allowed)
+        return ConfigError("trace_path", t, TRACE_ALLOWED, str(e))
+    return _creatable("trace_path", t, parent, TRACE_ALLOWED)
 
 
 def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
