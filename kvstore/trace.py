@@ -23,6 +23,7 @@ The connector writes the first four for every request, as its first lookup found
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import logging
@@ -30,8 +31,10 @@ import math
 import os
 import stat
 import threading
+import time
+import weakref
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvstore.configfields import ConfigError
 
@@ -131,6 +134,8 @@ def not_private(st: os.stat_result) -> str | None:
 
 
 FLUSH_BYTES = 1 << 16  # lines are appended once this many bytes (or flush_every lines) are buffered
+FLUSH_S = 2.0  # ... or once the oldest buffered line is this old: all a kill can lose (see TraceWriter)
+_open_writers: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()  # flushed at interpreter exit
 
 
 class TraceWriter:
@@ -139,6 +144,14 @@ class TraceWriter:
     The file must be this user's, mode 0600 (:func:`not_private`): one it finds otherwise, made
     first by someone else or opened to others, is refused with a ConfigError naming trace_path.
 
+    When lines reach the file: once ``flush_every`` lines or 64 KiB are buffered, once the oldest
+    buffered line is ``flush_s`` old (at the next write, and by a flusher thread when none comes),
+    when the caller says the engine is idle (:meth:`flush`: the planner, when its last request in
+    flight finishes), and at :meth:`close` or interpreter exit. What is in the file survives any
+    stop; what a kill (SIGKILL, a crash, vLLM's default ``--shutdown-timeout 0``, which SIGKILLs
+    the engine core at once) loses is at most the lines of the last ``flush_s`` seconds, and only
+    those of requests that finished while others were still running.
+
     A write that fails (a full disk, EIO) never reaches the caller, which is vLLM's scheduler
     finishing a request: the buffered lines are dropped and counted (``dropped``), a warning is
     logged once per run of failures, and the file is cut back to where that write began, so no
@@ -146,10 +159,15 @@ class TraceWriter:
     finished request (about 35 bytes per block of the prompt, plus its tokens with
     ``trace_tokens``); it is the operator's to rotate (``copytruncate``: it is opened for append)."""
 
-    def __init__(self, path: str | os.PathLike, flush_every: int = 256, recorded: dict | None = None):
+    def __init__(self, path: str | os.PathLike, flush_every: int = 256, recorded: dict | None = None,
+                 flush_s: float | None = FLUSH_S, clock: Callable[[], float] = time.monotonic):
         """``recorded``: what records the trace (the store's tiers and its KV block), written into
         the first line as ``"recorded"``: ``kvstore tune`` takes its budget and block size from it
-        (:func:`kvstore.tune.trace_memory.recorded_fields`; readers that do not know it skip it)."""
+        (:func:`kvstore.tune.trace_memory.recorded_fields`; readers that do not know it skip it).
+        ``flush_s``: the oldest a buffered line gets (None: no time bound, no flusher thread);
+        ``clock``: what measures it (the flusher thread waits by real time)."""
+        if flush_s is not None and not flush_s > 0:
+            raise ValueError(f"flush_s must be > 0 seconds or None, got {flush_s!r}")
         missing, d = [], os.path.dirname(os.fspath(path))
         while d and not os.path.isdir(d):  # the folders it creates are 0700 (os.makedirs: the leaf only)
             missing.append(d)
@@ -180,44 +198,71 @@ class TraceWriter:
         self._fd = fd
         self._buf: list[str] = []
         self._bytes = 0
+        self._oldest = 0.0  # clock() at the first line in the buffer
+        # two locks, so that a write (the scheduler) never waits on the file: _lock guards the
+        # buffer and is held for an append or a swap only; _io is held over a write to the file, by
+        # one flush at a time, taken before the swap so that lines reach the file in order
         self._lock = threading.Lock()
+        self._io = threading.Lock()
         self.flush_every = flush_every
+        self.flush_s = flush_s
+        self._clock = clock
         self._recorded = recorded
         self.dropped = 0  # lines lost to failed writes
         self._failing = False
+        self._stop = threading.Event()
+        _open_writers.add(self)
+        if flush_s is not None:  # an idle server's last lines reach the file too
+            threading.Thread(target=self._flush_loop, name="kvstore-trace-flush", daemon=True).start()
 
     def write(self, t: float, session: str, blocks: Sequence[bytes], block_tokens: int, prompt_tokens: int,
               output_tokens: int, **optional) -> None:
         """``optional``: any of ``OPTIONAL`` (a None value is left out of the line)."""
         line = TraceRecord(t, session, tuple(blocks), block_tokens, prompt_tokens, output_tokens,
                            **optional).to_json()
+        now = self._clock()
         with self._lock:
             if self._fd < 0:
                 return
             if self._recorded is not None:  # the first line says what recorded the trace
                 line = line[:-1] + ',"recorded":' + json.dumps(self._recorded, separators=(",", ":")) + "}"
                 self._recorded = None
+            if not self._buf:
+                self._oldest = now
             self._buf.append(line + "\n")
             self._bytes += len(line) + 1
-            if len(self._buf) >= self.flush_every or self._bytes >= FLUSH_BYTES:  # a line with tokens: ~1 MB
-                self._flush()
+            due = (len(self._buf) >= self.flush_every or self._bytes >= FLUSH_BYTES  # a line with tokens: ~1 MB
+                   or (self.flush_s is not None and now - self._oldest >= self.flush_s))
+        if due:
+            self.flush()
 
-    def _flush(self) -> None:
-        """Append the buffered lines (under the lock); a failure drops them (see the class doc)."""
-        lines, self._buf, self._bytes = self._buf, [], 0
-        if not lines:
-            return
+    def flush(self) -> None:
+        """Append the buffered lines now (a no-op when none are)."""
+        with self._io:
+            with self._lock:
+                lines, self._buf, self._bytes = self._buf, [], 0
+                fd = self._fd
+            if lines and fd >= 0:
+                self._append(fd, lines)
+
+    def _flush_loop(self) -> None:
+        """The flusher thread: every flush_s, whatever is buffered (so no line waits longer)."""
+        while not self._stop.wait(self.flush_s):
+            self.flush()
+
+    def _append(self, fd: int, lines: list[str]) -> None:
+        """Append ``lines`` (under _io); a failure drops them (see the class doc)."""
         data, start, sent = memoryview("".join(lines).encode()), None, 0
         try:
-            start = os.fstat(self._fd).st_size
+            start = os.fstat(fd).st_size
             while data:
-                k = os.write(self._fd, data)
+                k = os.write(fd, data)
                 data, sent = data[k:], sent + k
         except OSError as e:
             self.dropped += len(lines)
             try:  # no torn line; only where nothing else was appended since (another engine's lines)
-                if start is not None and sent and os.fstat(self._fd).st_size == start + sent:
-                    os.ftruncate(self._fd, start)
+                if start is not None and sent and os.fstat(fd).st_size == start + sent:
+                    os.ftruncate(fd, start)
             except OSError:
                 pass
             if not self._failing:
@@ -228,11 +273,24 @@ class TraceWriter:
             self._failing = False
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                self._flush()
-                os.close(self._fd)
-                self._fd = -1
+        self._stop.set()
+        with self._io:
+            with self._lock:
+                lines, self._buf, self._bytes = self._buf, [], 0
+                fd, self._fd = self._fd, -1  # a write from now on is ignored
+            if fd >= 0:
+                if lines:
+                    self._append(fd, lines)
+                os.close(fd)
+        _open_writers.discard(self)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """An engine that exits without closing its connector (an LLM left to the interpreter's exit)
+    keeps its last lines: the flusher thread is a daemon, stopped without a last round."""
+    for w in list(_open_writers):
+        w.flush()
 
 
 RECORDED_KEY = "recorded"  # an optional field of a line: the config and block that recorded the trace

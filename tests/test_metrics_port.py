@@ -65,7 +65,7 @@ def test_a_listener_that_is_not_kvstore_is_not_taken_for_one():
 # -- metrics.host (issue 45, finding 4): loopback unless the operator says otherwise ---------------
 
 
-def _other_address() -> str:
+def other_address() -> str:
     """An address of this machine that is not 127.0.0.1: the one its default route leaves from (a
     UDP connect sends nothing), else 127.0.0.2 (all of 127/8 is this machine's on Linux)."""
     try:
@@ -79,7 +79,7 @@ def _other_address() -> str:
     return "127.0.0.2"
 
 
-def _answers(host: str, port: int) -> bool:
+def answers(host: str, port: int) -> bool:
     """Does something accept a connection at ``host``:``port``?"""
     try:
         socket.create_connection((host, port), timeout=2).close()
@@ -94,20 +94,20 @@ def _metrics_text(host: str, port: int) -> str:
 
 
 def test_metrics_listen_on_loopback_only_by_default():
-    port, other = _free_port(), _other_address()
+    port, other = _free_port(), other_address()
     m = StoreMetrics(port=port)
     try:
         srv, _ = m._server
         assert srv.socket.getsockname() == ("127.0.0.1", port)  # was ("0.0.0.0", port)
         assert "kvstore_store_info" in _metrics_text("127.0.0.1", port)
-        assert not _answers(other, port), f"metrics answered on {other}"
+        assert not answers(other, port), f"metrics answered on {other}"
     finally:
         m.close()
 
 
 def test_metrics_host_every_interface_is_the_operators_choice(tmp_path):
     """metrics.host: 0.0.0.0, through the config and the store, listens where it did before."""
-    port, other = _free_port(), _other_address()
+    port, other = _free_port(), other_address()
     cfg = from_dict({"tiers": {"dram": {"capacity_gb": 0.001, "pin_memory": False},
                                "nvme": {"path": str(tmp_path / "n"), "capacity_gb": 0.01}},
                      "metrics": {"port": port, "host": "0.0.0.0"}})
@@ -119,7 +119,7 @@ def test_metrics_host_every_interface_is_the_operators_choice(tmp_path):
 def test_the_port_check_binds_where_the_server_will():
     """A port another program holds on another address of this machine is free on loopback (the
     check said "in use", binding 0.0.0.0); one held on loopback, or checked for 0.0.0.0, is not."""
-    other = _other_address()
+    other = other_address()
     port = free_port(host=other)
     held = socket.socket()
     held.bind((other, port))

@@ -38,8 +38,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstore.tiers import fileformat as ff  # noqa: E402
+from kvstore.trace import read_trace  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 from conftest import prompt  # noqa: E402
+from test_metrics_port import answers, other_address  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -59,7 +61,7 @@ class Server:
     group (killed whole if anything goes wrong: no server outlives a test)."""
 
     def __init__(self, model: str, store: Path, log: Path, *, shutdown_timeout: int | None = None,
-                 dram_gb: float = 0.05):
+                 dram_gb: float = 0.05, extra: dict | None = None):
         self.model, self.log_path = model, log
         self.port, self.metrics_port = free_ports(2)
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -69,7 +71,7 @@ class Server:
             args += ["--shutdown-timeout", str(shutdown_timeout)]
         cfg = {"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
                          "nvme": {"path": str(store), "capacity_gb": 1, "ttl_s": None}},
-               "metrics": {"port": self.metrics_port}}
+               "metrics": {"port": self.metrics_port}, **(extra or {})}
         self.args = args + ["--kv-transfer-config", json.dumps({"kv_connector": "KVStoreConnector",
                                                                 "kv_role": "kv_both",
                                                                 "kv_connector_extra_config": cfg})]
@@ -281,3 +283,25 @@ def test_server_prefix_cache_is_not_a_hit_and_a_restart_serves_from_nvme(tiny_mo
 
     # the NVMe blocks are intact and the new DRAM-only ones were written down at the close
     check_store_folder(store, namespace, keys + chain_keys(root, other, BLOCK)[:(300 - 1) // BLOCK])
+
+
+def test_a_plain_stop_keeps_every_finished_requests_trace_line(tiny_model, tmp_path):
+    """Issue 45, finding 10, as an operator stops the server: SIGTERM with vLLM's default
+    ``--shutdown-timeout 0``, which SIGTERMs the EngineCore (the scheduler's connector and its
+    trace writer live there) and SIGKILLs it at once: no close, no atexit. The lines were buffered
+    until a close (27 requests left a 0-byte trace); now the planner writes them when its last
+    request in flight finishes, before vLLM answers it. And finding 4 end to end: the Worker's
+    store serves metrics.port on 127.0.0.1 only. About 40-90 s here (2 cores), nearly all start-up."""
+    trace = tmp_path / "trace" / "t.jsonl"
+    prompts = [prompt(100, seed) for seed in (11, 12, 13)]
+    with Server(tiny_model, tmp_path / "store", tmp_path / "run.log", extra={"trace_path": str(trace)}) as srv:
+        for ids in prompts:
+            srv.complete(ids, max_tokens=4)
+        assert value(srv.metrics(), "kvstore_engine_prompt_tokens_total") == 300  # served on 127.0.0.1
+        assert not answers(other_address(), srv.metrics_port)
+        rc = srv.stop(signal.SIGTERM)
+        assert rc == 0, srv.log_tail()
+        assert srv.log_lines("force killing"), "the EngineCore was not killed: not the stop this test is about"
+    got = list(read_trace(trace))
+    assert sorted(r.prompt_tokens for r in got) == [100, 100, 100], trace.read_bytes()[:500]
+    assert stat.S_IMODE(trace.stat().st_mode) == 0o600 and stat.S_IMODE(trace.parent.stat().st_mode) == 0o700

@@ -576,6 +576,8 @@ class Planner:
                              max(0, len(st.tokens) - p), local_tokens=local, hit_tokens=hit, miss_reason=why,
                              replay=st.replay, tokens=tuple(st.tokens[:p]) if self.trace_tokens else None,
                              tag=st.tag or None)
+        if self.trace is not None and not self.reqs:  # idle: the lines go to the file now, so a stop
+            self.trace.flush()  # loses none (vLLM's default --shutdown-timeout 0 SIGKILLs the engine core)
         if not (self.async_saves and st.had_stores):
             return False
         if self.always_delay:
