@@ -129,7 +129,7 @@ def not_private(st: os.stat_result) -> str | None:
     if st.st_uid != me:
         return f"the file is owned by uid {st.st_uid}, not by this user (uid {me}): another user made it"
     if st.st_mode & 0o077:
-        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets group or others at it (chmod 600 it)"
+        return f"its mode {stat.S_IMODE(st.st_mode):04o} opens it to group or others: chmod 600 it"
     return None
 
 

@@ -291,7 +291,7 @@ def test_a_plain_stop_keeps_every_finished_requests_trace_line(tiny_model, tmp_p
     trace writer live there) and SIGKILLs it at once: no close, no atexit. The lines were buffered
     until a close (27 requests left a 0-byte trace); now the planner writes them when its last
     request in flight finishes, before vLLM answers it. And finding 4 end to end: the Worker's
-    store serves metrics.port on 127.0.0.1 only. About 40-90 s here (2 cores), nearly all start-up."""
+    store serves metrics.port on 127.0.0.1 only. About 31 s here (2 shared cores), nearly all start-up."""
     trace = tmp_path / "trace" / "t.jsonl"
     prompts = [prompt(100, seed) for seed in (11, 12, 13)]
     with Server(tiny_model, tmp_path / "store", tmp_path / "run.log", extra={"trace_path": str(trace)}) as srv:
