@@ -155,3 +155,22 @@ def test_a_metrics_host_not_of_this_machine_names_metrics_host():
     with pytest.raises(ConfigError) as ei:
         StoreMetrics(port=port, host="198.51.100.7")
     assert str(ei.value) == str(e)
+
+
+def test_the_vllm_plugins_check_binds_where_the_server_will():
+    """The plugin checks an inline metrics.port before the model loads: at metrics.host (it
+    checked loopback whatever the host, so a port held on another address passed the check and
+    failed at the store's bind, after the model had loaded)."""
+    pytest.importorskip("vllm")
+    from kvstore.connectors.vllm import KVStoreConfigError, check_extra_config
+
+    other = other_address()
+    port = free_port(host=other)
+    with socket.socket() as held:
+        held.bind((other, port))
+        held.listen(1)
+        small = {"tiers": {"dram": {"capacity_gb": 0.1}}}
+        check_extra_config({**small, "metrics": {"port": port}})  # free on 127.0.0.1, where it listens
+        with pytest.raises(KVStoreConfigError) as ei:
+            check_extra_config({**small, "metrics": {"port": port, "host": other}})
+        assert "metrics.port" in str(ei.value)

@@ -57,13 +57,13 @@ def check_extra_config(extra) -> None:
         return
     from kvstore.store import metrics as store_metrics
 
-    _, errors = config_errors(overrides=extra, ports=False)
+    cfg, errors = config_errors(overrides=extra, ports=False)
     port = extra.get("metrics", {}).get("port") if isinstance(extra, dict) and isinstance(extra.get("metrics"),
                                                                                            dict) else None
     if not errors and isinstance(port, int) and port not in store_metrics._serving:  # a store of ours: its own warning
         from kvstore.store.machine import port_error
 
-        errors = [e for e in (port_error(port),) if e is not None]
+        errors = [e for e in (port_error(port, cfg.metrics.host),) if e is not None]  # where it will listen
     if errors:
         log = logging.getLogger("vllm.kvstore")
         for e in errors:
