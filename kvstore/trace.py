@@ -234,16 +234,21 @@ class TraceWriter:
             due = (len(self._buf) >= self.flush_every or self._bytes >= FLUSH_BYTES  # a line with tokens: ~1 MB
                    or (self.flush_s is not None and now - self._oldest >= self.flush_s))
         if due:
-            self.flush()
+            self.flush(wait=False)  # the flusher thread writing already: these lines go next time
 
-    def flush(self) -> None:
-        """Append the buffered lines now (a no-op when none are)."""
-        with self._io:
+    def flush(self, wait: bool = True) -> None:
+        """Append the buffered lines now (a no-op when none are); ``wait=False``: not if another
+        flush is writing (the scheduler never waits on the file)."""
+        if not self._io.acquire(blocking=wait):
+            return
+        try:
             with self._lock:
                 lines, self._buf, self._bytes = self._buf, [], 0
                 fd = self._fd
             if lines and fd >= 0:
                 self._append(fd, lines)
+        finally:
+            self._io.release()
 
     def _flush_loop(self) -> None:
         """The flusher thread: every flush_s, whatever is buffered (so no line waits longer)."""
