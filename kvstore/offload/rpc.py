@@ -23,12 +23,12 @@ import os
 import socket
 import socketserver
 import stat
-import struct
 import threading
 import time
 
 from kvstore import failpoints
 from kvstore.offload.client import LocalClient
+from kvstore.offload.frames import MAX_MSG, recv_frame, recv_served, send_frame, serve_timeouts  # noqa: F401
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.shared import SharedStore
 from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
@@ -36,9 +36,6 @@ from kvstore.offload.sockdir import folder_path as _folder_path
 from kvstore.store import PrefixMatch
 
 log = logging.getLogger(__name__)
-_LEN = struct.Struct("<I")
-MAX_MSG = 64 << 20  # checked before a byte of the body is read; the body is read 1 MiB at a time
-_CHUNK = 1 << 20
 IDLE_S = 120.0  # the server drops a connection with no call this long (the client reconnects first)
 CLIENT_IDLE_S = 60.0  # a client idle this long reconnects before its next call
 FRAME_S = 5.0  # the rest of a frame must arrive this soon after its first byte (a frame is < 1 ms)
@@ -55,66 +52,12 @@ def socket_path(name: str) -> str:
 
 
 def _send(sock: socket.socket, obj) -> None:
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, exact: bool = True) -> bytes:
-    """``n`` bytes, the last by ``deadline``: each read's timeout is what is left (``exact``: to
-    1 ms; the socket's timeout is lowered only once a read took longer, settimeout costing 0.4 us
-    a call), or the socket's own (the last read may end one read timeout past the deadline)."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"kvstore rpc: {len(buf)} of {n} bytes in time")
-            if exact and left < sock.gettimeout() - 0.001:
-                sock.settimeout(left)
-        chunk = sock.recv(min(n - len(buf), _CHUNK))  # never a buffer for bytes not yet come
-        if not chunk:
-            raise ConnectionError("kvstore rpc: connection closed")
-        buf += chunk
-    return bytes(buf)
+    send_frame(sock, json.dumps(obj, separators=(",", ":")).encode())
 
 
 def _recv(sock: socket.socket, deadline: float | None = None):
     """One message, whole by ``deadline`` (None: the socket's timeout per read)."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-    if n > MAX_MSG:
-        raise ConnectionError(f"kvstore rpc: message of {n} bytes refused")
-    return json.loads(_recv_exact(sock, n, deadline))
-
-
-def _serve_timeouts(sock: socket.socket, s: float) -> None:
-    """Kernel read and write timeouts (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket: a read that
-    waits ``s`` raises BlockingIOError, and a read costs what it did without a timeout (Python's
-    own timeouts add a poll per read, 0.9 us, and a settimeout to change one, 0.4 us)."""
-    tv = struct.pack("ll", int(s), int((s - int(s)) * 1e6))
-    sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def _recv_served(sock: socket.socket, idle_s: float, frame_s: float):
-    """A served connection's next message (its socket set by _serve_timeouts(frame_s)): the
-    first byte may take ``idle_s``, the frame must then be whole within ``frame_s`` (a read
-    begun before that may take ``frame_s`` more: a stalled frame is dropped by 2 x frame_s)."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            head = sock.recv(_LEN.size)
-            break
-        except BlockingIOError:  # frame_s without a byte: idle
-            if time.monotonic() - t0 >= idle_s:
-                raise TimeoutError("kvstore rpc: idle") from None
-    if not head:
-        raise ConnectionError("kvstore rpc: connection closed")
-    deadline = time.monotonic() + frame_s
-    (n,) = _LEN.unpack(head + _recv_exact(sock, _LEN.size - len(head), deadline, exact=False))
-    if n > MAX_MSG:
-        raise ConnectionError(f"kvstore rpc: message of {n} bytes refused")
-    return json.loads(_recv_exact(sock, n, deadline, exact=False))
+    return json.loads(recv_frame(sock, deadline))
 
 
 def _keys(hexes) -> list[bytes]:
@@ -149,10 +92,10 @@ class _Handler(socketserver.BaseRequestHandler):
         srv: _Server = self.server  # type: ignore[assignment]
         c = LocalClient(srv.shared)  # this connection's handles and prefetches
         try:
-            _serve_timeouts(self.request, min(srv.frame_s, srv.idle_s))
+            serve_timeouts(self.request, min(srv.frame_s, srv.idle_s))
             while True:
                 try:
-                    msg = _recv_served(self.request, srv.idle_s, srv.frame_s)
+                    msg = json.loads(recv_served(self.request, srv.idle_s, srv.frame_s))
                     failpoints.fire("rpc.serve", sock=self.request)
                 except (ConnectionError, OSError, ValueError):  # closed, idle, a stalled frame, not JSON
                     return
