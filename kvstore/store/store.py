@@ -73,7 +73,10 @@ class KVStore:
         group_elems: int | None = None,
         io_executor: Executor | None = None,
         events: bool = False,
+        shared_dram: bool = False,
     ):
+        """``shared_dram``: the DRAM slab in one memfd that a node daemon hands to the engines it
+        serves (:mod:`kvstore.node`), so their copies move bytes to and from it directly."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.config = config or StoreConfig()
@@ -86,7 +89,8 @@ class KVStore:
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port, host=self.config.metrics.host)
         try:
             self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
-                                     clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events)
+                                     clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events,
+                                     shared_dram=shared_dram)
         except BaseException:
             self.metrics.close()
             raise
@@ -214,7 +218,7 @@ class KVStore:
         self.metrics.wrote(tier.name, n, 0, time.perf_counter() - h.started)
         # write-through copies: in the background, unless they read the caller's rows (put's)
         self.moves.run(plan, borrowed=h.borrowed)
-        self._update_gauges()
+        self.update_gauges()
         return n
 
     # -- loads -----------------------------------------------------------------------------------
@@ -360,7 +364,7 @@ class KVStore:
         for t, e in h.unread.values():  # pinned, never read (the load was dropped)
             t.release([e])
         h.unread.clear()
-        self._update_gauges()
+        self.update_gauges()
 
     def prefetch(self, keys: Sequence[bytes]) -> Future:
         """Start promoting the leading lower-tier blocks of ``keys`` into the top tier; resolves
@@ -390,7 +394,7 @@ class KVStore:
         plan = Plan()
         n = self.chain.expire(plan)
         self.moves.run(plan)
-        self._update_gauges()
+        self.update_gauges()
         return n
 
     def take_events(self) -> list:
@@ -430,14 +434,15 @@ class KVStore:
 
     def stats(self) -> dict:
         """Counts per tier plus every metric sample."""
-        self._update_gauges()
+        self.update_gauges()
         return {
             "tiers": {t.name: {"blocks": len(t), "bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
                                **t.stats} for t in self.chain.local},
             "metrics": self.metrics.snapshot(),
         }
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
+        """Bring the tiers' gauges up to date (vLLM's stats take them at a step, once a second)."""
         self.metrics.gauges(self.chain.local)
 
     def _check_open(self) -> None:

@@ -122,6 +122,36 @@ def alloc_aligned(nbytes: int, *, prefault: bool = True) -> tuple[mmap.mmap, np.
     return m, np.frombuffer(m, dtype=np.uint8, count=nbytes)
 
 
+def shared_memory(nbytes: int) -> int:
+    """A memfd of ``nbytes`` (sparse until touched): mode 0600, its size sealed (a peer it is
+    handed to can neither shrink it under another's mapping, a SIGBUS there, nor grow it), close-
+    on-exec. It has no name in any folder: only a process handed the fd (SCM_RIGHTS) maps it."""
+    fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+        import fcntl
+
+        seals = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_SEAL", 1)
+        fcntl.fcntl(fd, getattr(fcntl, "F_ADD_SEALS", 1033), seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_shared(fd: int, offset: int, nbytes: int, *, prefault: bool = True) -> tuple[mmap.mmap, np.ndarray]:
+    """``nbytes`` of a memfd from ``offset`` (page aligned), mapped shared, and a uint8 view;
+    pre-faulted (without the GIL) unless asked not to."""
+    m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    if prefault:
+        try:
+            _populate(m, nbytes)
+        except OSError:  # an old kernel: first touches fault instead
+            pass
+    return m, np.frombuffer(m, dtype=np.uint8, count=nbytes)
+
+
 def as_bytes(a) -> np.ndarray:
     """A 1-D uint8 view of a C-contiguous buffer (never a copy: writes land in ``a``)."""
     a = np.asarray(a)
@@ -134,6 +164,26 @@ def as_bytes(a) -> np.ndarray:
 def is_aligned(arr, align: int = PAGE) -> bool:
     a = np.asarray(arr)
     return a.ctypes.data % align == 0
+
+
+def cuda_register(arr: np.ndarray) -> int | str:
+    """``cudaHostRegister`` a page-aligned buffer: 0, or the error (a CUDA code or an exception)."""
+    try:
+        failpoints.fire("memory.pin")
+        import torch
+
+        return int(torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, 0))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def cuda_unregister(ptr: int) -> None:
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # pragma: no cover
+        pass
 
 
 class PinError(RuntimeError):
@@ -172,8 +222,12 @@ class SlabPool:
     """
 
     def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
-                 on_ready: Callable[[int], None] | None = None, background: bool = True):
+                 on_ready: Callable[[int], None] | None = None, background: bool = True, shared: bool = False):
+        """``shared``: the slots live in one memfd (:attr:`memfd`, slot ``i`` at byte ``i *
+        slot_bytes``), which a node daemon hands to the engines it serves (kvstore.node); never
+        pinned here: each engine registers its own mapping with CUDA."""
         assert slot_bytes > 0 and n_slots >= 0
+        assert not shared or slot_bytes % PAGE == 0, "a shared pool's slots are whole pages (mapped at offsets)"
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self._per_chunk = max(1, chunk_bytes // slot_bytes)
@@ -182,7 +236,8 @@ class SlabPool:
         self._views: list[np.ndarray] = []  # appended chunk by chunk, before the slots are freed
         self._registered: list[int] = []
         self.pinned = False
-        self._want_pin = cuda_available() if pin == "auto" else bool(pin)
+        self._want_pin = False if shared else cuda_available() if pin == "auto" else bool(pin)
+        self.memfd = shared_memory(n_slots * slot_bytes) if shared and n_slots else -1
         self._on_ready = on_ready
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -222,7 +277,10 @@ class SlabPool:
         """Map, pre-fault and pin the next chunk, then publish its slots. Returns how many."""
         first = self._ready_slots
         k = min(self._per_chunk, self.n_slots - first)
-        m, arr = alloc_aligned(k * self.slot_bytes)
+        if self.memfd >= 0:
+            m, arr = map_shared(self.memfd, first * self.slot_bytes, k * self.slot_bytes)
+        else:
+            m, arr = alloc_aligned(k * self.slot_bytes)
         self._maps.append(m)
         if self._want_pin:
             self._pin(arr)  # raises: a pool asked to be pinned is pinned whole, or not made
@@ -294,14 +352,7 @@ class SlabPool:
         speed (H200, measured: 51 GB/s from slab slots against 55 GB/s for one big memcpy), and RSS
         stays at the capacity (PyTorch's own pinned allocator rounds 4.5 GiB up to 8 GiB). A failure
         is an error at start-up, never a silently slower tier."""
-        ptr, rc = arr.ctypes.data, None
-        try:
-            failpoints.fire("memory.pin")
-            import torch
-
-            rc = int(torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, 0))
-        except Exception as e:
-            rc = f"{type(e).__name__}: {e}"
+        ptr, rc = arr.ctypes.data, cuda_register(arr)
         if rc != 0:
             raise PinError(f"kvstore: tiers.dram.pin_memory: registering {arr.nbytes / GiB:.2f} GiB of the DRAM "
                            f"tier with CUDA failed ({rc}); lower tiers.dram.capacity_gb, raise the locked-memory "
@@ -365,15 +416,9 @@ class SlabPool:
         self._unmap()
 
     def _unmap(self) -> None:
-        if self._registered:
-            try:
-                import torch
-
-                for ptr in self._registered:
-                    torch.cuda.cudart().cudaHostUnregister(ptr)
-            except Exception:  # pragma: no cover
-                pass
-            self._registered.clear()
+        for ptr in self._registered:
+            cuda_unregister(ptr)
+        self._registered.clear()
         with self._cond:
             self._free.clear()
         self._views.clear()
@@ -383,3 +428,6 @@ class SlabPool:
             except BufferError:  # a view is still alive somewhere; the GC will unmap it
                 pass
         self._maps.clear()
+        if self.memfd >= 0:  # the engines' mappings keep the memory until they unmap it
+            os.close(self.memfd)
+            self.memfd = -1

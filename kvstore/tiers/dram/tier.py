@@ -36,7 +36,8 @@ class DramTier(LocalTier):
 
     def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
                  clock: Callable[[], float] = time.time, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
-                 headroom: int | str = 0):
+                 headroom: int | str = 0, shared: bool = False):
+        """``shared``: the slab is one memfd a node daemon hands to its engines (``pool.memfd``)."""
         # Slots are padded to 4 KiB so NVMe O_DIRECT I/O can use them in place.
         self.slot_bytes = round_up(block_bytes)
         n_slots = capacity_bytes // self.slot_bytes
@@ -48,7 +49,8 @@ class DramTier(LocalTier):
         # slots the index never fills: victims hold theirs until written down (placement.py)
         self.headroom = headroom_slots(n_slots, headroom)
         self._ready_slots = 0
-        self.pool = SlabPool(n_slots, self.slot_bytes, pin=pin, chunk_bytes=chunk_bytes, on_ready=self._on_pool_ready)
+        self.pool = SlabPool(n_slots, self.slot_bytes, pin=pin, chunk_bytes=chunk_bytes, on_ready=self._on_pool_ready,
+                             shared=shared)
         with self.lock:
             self._grow(self.pool.initial_slots)
 
