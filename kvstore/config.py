@@ -8,6 +8,8 @@ Schema (public; the tuner writes it, the connector reads it)::
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads, load_only_if_faster}
     metrics: {port, host}
+    mode: embedded | node
+    node: {name, timeout_ms, max_engines, engine_share}
     events: {dram, nvme, remote}: {medium, locality}
     trace_path: null
     trace_tokens: false
@@ -220,12 +222,34 @@ class MetricsConfig:
     host: str = _f("127.0.0.1", F.host)
 
 
+MODES = ("embedded", "node")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The node cache (``mode: node``): one ``kvstore serve`` per host owns the tiers, and every
+    engine of the host attaches to it (kvstore.node). ``name``: the daemon's socket, in this user's
+    private socket folder (several daemons: several names). ``timeout_ms``: the longest an engine
+    waits for one call; a dead or stuck daemon is a miss and a backoff, never an error.
+    ``max_engines``: engines served at once. ``engine_share``: the part of the DRAM slots one engine
+    may hold pinned or reserved at once, so no engine starves the others."""
+
+    name: str = _f("node", F.name)
+    timeout_ms: int = _f(500, F.integer, minimum=1, maximum=60_000)
+    max_engines: int = _f(64, F.integer, minimum=1, maximum=4096)
+    engine_share: float = _f(0.5, F.number, minimum=0.01, maximum=1.0)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     tiers: TiersConfig = _sec(TiersConfig)
     io: IoConfig = _sec(IoConfig)
     metrics: MetricsConfig = _sec(MetricsConfig)
     events: EventsConfig = _sec(EventsConfig)
+    # embedded: the store lives in the engine (one engine's cache); node: the engine attaches to the
+    # host's ``kvstore serve``, whose config then decides the tiers (kvstore.node)
+    mode: str = _f("embedded", F.choice, choices=MODES)
+    node: NodeConfig = _sec(NodeConfig)
     trace_path: str | None = _f(None, F.path, what="file")
     trace_tokens: bool = _f(False, F.choice, choices=BOOL)  # the trace keeps each prompt's token ids (opt-in)
     # the longest idle TTL a request's hint (kv_transfer_params kvstore.ttl_s) may ask for; longer

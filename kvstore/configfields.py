@@ -133,6 +133,13 @@ def host(key: str, v: Any) -> str:
     raise ConfigError(key, v, "an IP address (127.0.0.1, ::1; 0.0.0.0 or :: for every interface) or a host name")
 
 
+def name(key: str, v: Any) -> str:
+    """A short name that is also a file name: letters, digits, '.', '_' and '-', 1 to 64 of them."""
+    if isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}", v):
+        return v
+    raise ConfigError(key, v, "1 to 64 letters, digits, '.', '_' or '-' (not starting with '.')")
+
+
 def path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
     if v is not None and (not isinstance(v, str) or not v.strip() or "\0" in v):
         raise ConfigError(key, v, f"a {what} path (string, no NUL bytes) or null")

@@ -276,18 +276,22 @@ def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
 
 
 def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | None = None, *,
-                  ports: bool = True) -> tuple[StoreConfig | None, list[ConfigError]]:
+                  ports: bool = True, daemon: bool = False) -> tuple[StoreConfig | None, list[ConfigError]]:
     """Every problem of a config at once, its keys' and this machine's: what ``kvstore config``
     prints, and what the vLLM plugin (``kvstore.connectors.vllm.register``) checks in the process
     that builds vLLM's config, before any model loads. (the config, or None where the file cannot
     be read; every error, one per key, in order).
     ``ports=False`` leaves ``metrics.port`` to the store's own bind (a process that will run a
-    store of its own on that port must not find it "in use" by itself)."""
+    store of its own on that port must not find it "in use" by itself). ``daemon``: the config of
+    ``kvstore serve``, whose tiers are checked whatever its ``mode``."""
     errors: list[ConfigError] = []
     cfg = load_config(path, overrides=overrides, errors=errors)
     if cfg is not None:  # the machine's checks, for keys not already bad
         bad = {e.key for e in errors}
-        machine = [dram_error(cfg), nvme_error(cfg), trace_error(cfg)]
+        # mode node: an engine keeps no tier of its own (the daemon's config has them, and
+        # `kvstore serve` checks that one), so its tiers section asks nothing of this machine
+        tiers = [] if cfg.mode == "node" and not daemon else [dram_error(cfg), nvme_error(cfg)]
+        machine = tiers + [trace_error(cfg)]
         if ports:
             machine.append(port_error(cfg.metrics.port, cfg.metrics.host))
         errors += [e for e in machine if e is not None and e.key not in bad]
