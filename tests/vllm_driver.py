@@ -2,7 +2,7 @@
 
     python tests/vllm_driver.py '{"model": DIR, "store": DIR, "prompts": [[ids...]], "rounds": 2}'
 
-Optional keys: "mp" (vLLM's multiprocess executor: the worker, and the store, in another process
+Optional keys: "extra" (more kv_connector_extra_config, e.g. ``{"mode": "node"}``), "mp" (vLLM's multiprocess executor: the worker, and the store, in another process
 than the scheduler, which reaches it over the RPC socket), "tp" (tensor-parallel ranks; their
 workers are always processes of their own), "dtype", "block_size", "max_tokens".
 
@@ -29,6 +29,7 @@ def main() -> None:
 
     extra = connector_config(job["store"], dram_gb=job.get("dram_gb", 0.05), nvme_gb=job.get("nvme_gb", 1),
                              remote=job.get("remote"))
+    extra.update(job.get("extra") or {})  # e.g. {"mode": "node", "node": {...}}: the host's daemon
     eng = Engine(job["model"], block_size=job.get("block_size", 32), max_len=2048,
                  kv_transfer=kv_transfer(extra, module_path="kvstore.connectors.vllm.connector" if job.get("module_path")
                                          else None),
@@ -47,7 +48,10 @@ def main() -> None:
                     "remote_read_bytes": m.value("kvstore_tier_read_bytes_total", tier="remote"),
                     "remote_written_bytes": m.value("kvstore_tier_written_bytes_total", tier="remote"),
                     "served_remote_tokens": sh.metrics.registry.get_sample_value(
-                        "kvstore_engine_served_tokens_total", {"tier": "remote"}) or 0.0}
+                        "kvstore_engine_served_tokens_total", {"tier": "remote"}) or 0.0,
+                    "served_dram_tokens": sh.metrics.registry.get_sample_value(
+                        "kvstore_engine_served_tokens_total", {"tier": "dram"}) or 0.0,
+                    "stored_blocks": sh.metrics.registry.get_sample_value("kvstore_engine_stored_blocks_total") or 0.0}
     print("RESULT " + json.dumps({"rounds": rounds, "counters": counters}), flush=True)
     eng.close()
 

@@ -189,11 +189,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self.shared = None
                 raise
             self.mover = mover
-            log.info("%s", sizing_line(self.config, block_bytes, self.block_size, self.fingerprint.model))
+            if self.config.mode != "node":  # a daemon's tiers are sized in its own log
+                log.info("%s", sizing_line(self.config, block_bytes, self.block_size, self.fingerprint.model))
             self.clock = HookClock(self.shared.metrics.hooks, "worker")
             # rank 0's counters and gauges on vLLM's /metrics (kvstore.connectors.vllm.stats)
             store = self.shared.store
-            self.stats = (StatsTaker(store.metrics.registry, refresh=lambda: store.metrics.gauges(store.chain.local))
+            self.stats = (StatsTaker(store.metrics.registry, refresh=store.update_gauges)
                           if self.fingerprint.tp_rank == 0 else None)
         else:
             # the scheduler asks rank 0's store: in this process if it is here, else over a socket;
@@ -223,9 +224,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                    always_delay=self.fingerprint.tp_size > 1 or not isinstance(self.client,
                                                                                                 LocalClient),
                                    groups=self.groups)
-        log.info("kvstore connector (%s): %s, %d bytes/block, dram %.2f GiB, nvme %s%s%s", role.name,
-                 self.fingerprint.model, block_bytes, self.config.tiers.dram.capacity_gb,
-                 self.config.tiers.nvme.path or "temp folder",
+        tiers = (f"the node daemon {self.config.node.name!r}" if self.config.mode == "node" else
+                 f"dram {self.config.tiers.dram.capacity_gb:.2f} GiB, nvme {self.config.tiers.nvme.path or 'temp folder'}")
+        log.info("kvstore connector (%s): %s, %d bytes/block, %s%s%s", role.name,
+                 self.fingerprint.model, block_bytes, tiers,
                  "" if role == KVConnectorRole.WORKER else f", store {type(self.client).__name__}",
                  "" if self.groups.plain else f", KV cache groups {self.groups.describe()}")
 

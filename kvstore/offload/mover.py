@@ -173,12 +173,12 @@ class Mover:
         t0 = time.perf_counter()
         failed: set[int] = set()
         lost = 0  # pinned blocks that failed here (read errors)
-        srcs, dst_ids, handles, served = [], [], [], []
-        for lp in loads:
+        srcs, dst_ids, handles, served = [], [], [], []  # served: (load, tier, kind) of each block copied
+        for j, lp in enumerate(loads):
             h = self._handle(lp)
             n = 0
             if h is not None:
-                handles.append(h)
+                handles.append((j, h))
                 pinned = min(h.num_blocks, len(lp.block_ids))  # promised beyond that: counted at the pin
                 try:
                     n = min(self.store.read_load(h), len(lp.block_ids))  # NVMe reads: here, not on the scheduler
@@ -187,7 +187,7 @@ class Mover:
                     n = 0
                 srcs.extend(h.views[:n])
                 dst_ids.extend(lp.block_ids[:n])
-                served.extend((t, lp.kind) for t in (lp.tiers[:n] if len(lp.tiers) >= n else h.tier_of[:n]))
+                served.extend((j, t, lp.kind) for t in (lp.tiers[:n] if len(lp.tiers) >= n else h.tier_of[:n]))
                 lost += pinned - n
             failed.update(lp.block_ids[n:])
         try:
@@ -203,13 +203,19 @@ class Mover:
             lost += len(dst_ids)
             served = []
         finally:
-            for h in handles:
+            for j, h in handles:
                 try:
-                    self.store.end_load(h)
+                    held = self.store.end_load(h)
                 except Exception as e:
                     self._error("end_load", e)
+                    held = None
+                if held is False:  # its pins may have gone while it was copied (a node daemon lost): what
+                    copied = [x for x in served if x[0] == j]  # it copied is not served, vLLM recomputes it
+                    failed.update(loads[j].block_ids[:len(copied)])
+                    lost += len(copied)
+                    served = [x for x in served if x[0] != j]
         bt, by_kind = self.store.block_tokens, self.store.metrics.served_by_kind
-        for (t, kind), blocks in Counter(served).items():  # what reached the engine, by tier (and replay / genuine)
+        for (_, t, kind), blocks in Counter(served).items():  # what reached the engine, by tier (and replay / genuine)
             n = blocks * bt
             self.metrics.served_tokens.labels(t).inc(n)
             if kind:
@@ -244,7 +250,8 @@ class Mover:
         finally:
             if h is not None:
                 try:
-                    self.store.end_load(h)
+                    if self.store.end_load(h) is False:  # pins lost while copying (a node daemon): recomputed
+                        ok = False
                 except Exception as e:
                     self._error("end_load", e)
         bt = self.store.block_tokens

@@ -89,6 +89,26 @@ _lock = threading.Lock()
 _shared: dict[tuple, SharedStore] = {}
 
 
+_warned_node_events = False
+
+
+def open_store(name: str, config: StoreConfig, fingerprint: ModelFingerprint, block_bytes: int, block_tokens: int,
+               events: bool = False):
+    """The engine's store: its own (``mode: embedded``), or the host's node daemon (``mode: node``)."""
+    global _warned_node_events
+    if config.mode == "node":
+        from kvstore.node.client import NodeStore
+
+        if events and not _warned_node_events:
+            _warned_node_events = True
+            log.warning("kvstore: mode node: the node daemon's blocks are not announced on this engine's KV-event "
+                        "stream yet (its own hits are served)")
+        return NodeStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens,
+                         name=name)
+    return KVStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens,
+                   events=events)
+
+
 def acquire_shared(name: str, config: StoreConfig, fingerprint: ModelFingerprint, block_bytes: int,
                    block_tokens: int, events: bool = False) -> SharedStore:
     """The store named ``name`` (e.g. an engine id and rank) in this process, created on first use."""
@@ -96,8 +116,7 @@ def acquire_shared(name: str, config: StoreConfig, fingerprint: ModelFingerprint
         k = (name, fingerprint.digest(), block_bytes, config.to_yaml(), events)
         s = _shared.get(k)
         if s is None:
-            store = KVStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens,
-                            events=events)
+            store = open_store(name, config, fingerprint, block_bytes, block_tokens, events)
             s = _shared[k] = SharedStore(store, OffloadMetrics(store.metrics.registry))
         s.refs += 1
         return s

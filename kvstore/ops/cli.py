@@ -29,6 +29,7 @@ USAGE = """usage: kvstore [--version] [--help] COMMAND [options]   (kvstore COMM
   stats [--url U]    hit rate and miss reasons of a running server (default """ + DEFAULT_STATS_URL + """)
   config [PATH|NAME] validate a config (a file, or a shipped name: agent, default) and print it resolved
   size               what a config keeps of a model: KV bytes per token, blocks and tokens per tier
+  serve              the node daemon: one store per host, shared by every engine (mode: node)
 """
 
 
@@ -237,6 +238,48 @@ def _size(argv: list[str]) -> int:
     return 0
 
 
+def _serve(argv: list[str]) -> int:
+    """The node daemon in the foreground, until SIGTERM or SIGINT (a graceful stop: DRAM is
+    written down to NVMe). ``--ping``: exit 0 if a daemon answers (a readiness check)."""
+    import signal
+    import threading
+
+    from kvstore.store.machine import config_errors
+
+    p = _parser("serve", "One store per host, shared by every engine of the host (node mode: engines set "
+                "`mode: node`). Runs in the foreground; SIGTERM or Ctrl-C stops it and writes DRAM down to NVMe. "
+                "docs/node.md.")
+    p.add_argument("--config", default=None, metavar="PATH|NAME", help="the daemon's config: its tiers are "
+                   "every attached engine's (default: $KVSTORE_CONFIG, else the defaults)")
+    p.add_argument("--ping", action="store_true", help="only check that a daemon answers (exit 0), else exit 1")
+    a = p.parse_args(argv)
+    cfg, errors = config_errors(a.config, daemon=True)
+    for e in errors:
+        print(f"kvstore serve: error: {e}", file=sys.stderr)
+    if errors:
+        return BAD_INPUT
+    if a.ping:
+        from kvstore.node.probe import ping
+
+        pid = ping(cfg)
+        if pid is None:
+            raise CommandError(f"no daemon answers at {cfg.node.name}.sock", FAILED)
+        print(f"kvstore serve: a daemon answers (pid {pid})")
+        return 0
+    from kvstore.node.daemon import NodeDaemon
+
+    logging.getLogger("kvstore").setLevel(logging.INFO)
+    d = NodeDaemon(cfg).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    logging.getLogger(__name__).warning("kvstore serve: stopping: writing DRAM down to NVMe")
+    d.close(persist=True)
+    return 0
+
+
 def _tune(argv: list[str]) -> int:
     from kvstore.tune.cli import main as tune_main
 
@@ -244,7 +287,7 @@ def _tune(argv: list[str]) -> int:
 
 
 COMMANDS = {"bench": _bench, "inspect": _inspect, "stats": _stats, "config": _config, "tune": _tune,
-            "explain": _explain, "size": _size}
+            "explain": _explain, "size": _size, "serve": _serve}
 
 
 def run(cmd: str, argv: list[str]) -> int:

@@ -1,0 +1,345 @@
+"""``kvstore serve``: one store per host, shared by every engine of the host (issue 46).
+
+The daemon owns the tiers (the DRAM slab, NVMe, the Redis client), their sweeps and their
+metrics: the same :class:`~kvstore.store.KVStore` an embedded engine runs, one per model (a model
+is its fingerprint's root with its block size: engines of other models, revisions, dtypes,
+layouts or tensor-parallel ranks get stores of their own, and never see each other's blocks).
+Its DRAM slab is one memfd (:func:`kvstore.tiers.dram.pool.shared_memory`) handed to each engine
+over the socket (``SCM_RIGHTS``): the engine maps it and its copy kernels move bytes between its
+own paged KV cache and the slots, so no block passes through the daemon. What crosses the socket
+is control (:mod:`.wire`): lookups, pins, slot numbers, reservations and their ends.
+
+The socket is ``<name>.sock`` in this user's private socket folder (:mod:`kvstore.offload.sockdir`:
+0700, this uid, no links), served to this uid only (``SO_PEERCRED``). An engine that dies (-9
+included) closes its connections, and :meth:`Attachment.release` ends its pins and aborts its
+reservations. A graceful stop (SIGTERM, SIGINT) writes DRAM down to NVMe, where the next daemon
+finds it by the tier's start-up scan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import socketserver
+import threading
+import time
+from typing import Any
+
+from kvstore.config import ConfigError, StoreConfig
+from kvstore.keys import ModelFingerprint, root_of
+from kvstore.node import wire
+from kvstore.node.attachment import Attachment
+from kvstore.offload.frames import serve_timeouts
+from kvstore.offload.sockdir import open_folder, path_in, peer_uid, who
+from kvstore.store import KVStore
+
+log = logging.getLogger(__name__)
+
+# no idle limit: an engine's anchor connection makes no call for hours, and its close releases the
+# engine's pins; the connections are bounded by node.max_engines instead
+IDLE_S = math.inf
+FRAME_S = 5.0  # the rest of a frame must come this soon after its first byte
+CONNECTIONS_PER_ENGINE = 8  # an engine's scheduler, copy and load threads, with room to spare
+PREFETCH_WAIT_S = 0.002  # as LocalClient's: an idle engine asking again must not spin
+
+
+def socket_name(name: str) -> str:
+    return f"{name}.sock"
+
+
+def fingerprint_of(d: Any) -> ModelFingerprint:
+    """An engine's fingerprint from its attach message (lists back to tuples, as it hashed them)."""
+    if not isinstance(d, dict):
+        raise ValueError("attach: the fingerprint is not a mapping")
+
+    def tup(v):
+        return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+    return ModelFingerprint(**{k: tup(v) for k, v in d.items()})
+
+
+class NodeDaemon:
+    """The stores, the engines attached to them, and the socket they are served on."""
+
+    def __init__(self, config: StoreConfig):
+        if not config.tiers.dram.enabled:
+            raise ConfigError("tiers.dram.capacity_gb", config.tiers.dram.capacity_gb,
+                              "more than 0 for a node daemon: its engines copy to and from its DRAM slab")
+        self.config = config
+        self.stores: dict[tuple, KVStore] = {}
+        self.engines: dict[bytes, Attachment] = {}
+        self.lock = threading.Lock()
+        self.refused = {"uid": 0, "full": 0, "attach": 0}
+        self._dir, folder = open_folder()
+        self._name = socket_name(config.node.name)
+        self.path = os.path.join(folder, self._name)
+        try:
+            self._claim(folder)
+            old = os.umask(0o177)
+            try:
+                self.server = _Server(path_in(self._dir, folder, self._name), self)
+            finally:
+                os.umask(old)
+        except BaseException:
+            os.close(self._dir)
+            raise
+        self.thread: threading.Thread | None = None
+        self._closed = False
+
+    def _claim(self, folder: str) -> None:
+        """Take the socket's name: a daemon that answers there keeps it (an error), a dead one's
+        socket is removed."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(1.0)
+            s.connect(path_in(self._dir, folder, self._name))
+        except (FileNotFoundError, ConnectionRefusedError):
+            try:
+                os.unlink(self._name, dir_fd=self._dir)
+            except FileNotFoundError:
+                pass
+            return
+        finally:
+            s.close()
+        raise RuntimeError(f"kvstore serve: another daemon serves {self.path}; stop it, or give this one another "
+                           f"node.name")
+
+    def start(self) -> "NodeDaemon":
+        self.thread = threading.Thread(target=self.server.serve_forever, name="kvstore-node", daemon=True)
+        self.thread.start()
+        log.info("kvstore serve: ready on %s (DRAM %.2f GiB per model, NVMe %s, remote %s)", self.path,
+                 self.config.tiers.dram.capacity_gb, self.config.tiers.nvme.path or "a temp folder",
+                 "on" if self.config.tiers.remote.enabled else "off")
+        return self
+
+    # -- engines ---------------------------------------------------------------------------------
+    def store_for(self, fp: ModelFingerprint, block_bytes: int, block_tokens: int) -> KVStore:
+        """The store of a model, made at its first engine's attach."""
+        k = (root_of(fp), int(block_bytes), int(block_tokens))
+        with self.lock:
+            s = self.stores.get(k)
+            if s is None:
+                s = KVStore(self.config, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
+                            shared_dram=True)
+                if s.dram is None:
+                    s.close(persist=False)
+                    raise ConfigError("tiers.dram.capacity_gb", self.config.tiers.dram.capacity_gb,
+                                      f"room for at least one block of {block_bytes} bytes")
+                self.stores[k] = s
+                log.info("kvstore serve: a store for %s (%d bytes a block, %d tokens)", fp.model, block_bytes,
+                         block_tokens)
+            return s
+
+    def attach(self, fp_fields: Any, root: bytes, block_bytes: int, block_tokens: int, name: str) -> Attachment:
+        fp = fingerprint_of(fp_fields)
+        if root_of(fp) != bytes(root):
+            raise ValueError("attach: the fingerprint does not hash to the engine's key root (another kvstore "
+                             "version?): its keys would not be ours")
+        if not (0 < int(block_bytes) <= 1 << 30 and 0 < int(block_tokens) <= 1 << 20):
+            raise ValueError(f"attach: block of {block_bytes} bytes, {block_tokens} tokens")
+        with self.lock:
+            if len(self.engines) >= self.config.node.max_engines:
+                raise ValueError(f"{self.config.node.max_engines} engines are attached already (node.max_engines)")
+        store = self.store_for(fp, block_bytes, block_tokens)
+        a = Attachment(store, str(name)[:256], int(store.dram.pool.n_slots * self.config.node.engine_share))
+        with self.lock:
+            a.connections = 1  # this one: its close releases the engine
+            self.engines[a.token] = a
+        log.info("kvstore serve: engine %s attached (%d engines)", a.name, len(self.engines))
+        return a
+
+    def join(self, token: bytes) -> Attachment:
+        """Another connection of an attached engine (counted: its close may release the engine)."""
+        with self.lock:  # with the count, so a join never revives an engine its last close released
+            a = self.engines.get(bytes(token))
+            if a is None:
+                raise LookupError("unknown engine token (this daemon restarted?): attach again")
+            a.connections += 1
+        return a
+
+    def closed(self, a: Attachment) -> None:
+        """A connection of ``a`` closed; the last one's close releases it."""
+        with self.lock:
+            a.connections -= 1
+            last = a.connections == 0
+            if last:
+                self.engines.pop(a.token, None)
+        if last:
+            loads, stores = a.release()
+            log.info("kvstore serve: engine %s detached (%d loads ended, %d stores aborted)", a.name, loads, stores)
+
+    # -- the end ---------------------------------------------------------------------------------
+    def close(self, persist: bool = True) -> None:
+        """Stop serving, release every engine, write DRAM down to NVMe (``persist``), close."""
+        if self._closed:
+            return
+        self._closed = True
+        self.server.shutdown()
+        self.server.server_close()
+        self.server.drop_all()
+        try:
+            os.unlink(self._name, dir_fd=self._dir)
+        except OSError:
+            pass
+        os.close(self._dir)
+        with self.lock:
+            engines, self.engines = list(self.engines.values()), {}
+            stores, self.stores = list(self.stores.values()), {}
+        for a in engines:
+            a.release()
+        for s in stores:
+            t0 = time.monotonic()
+            n = len(s.dram) if s.dram is not None else 0
+            s.close(persist=persist)
+            log.info("kvstore serve: closed a store (%d DRAM blocks, written down: %s) in %.1f s", n,
+                     "yes" if persist else "no", time.monotonic() - t0)
+
+
+# -- serving ---------------------------------------------------------------------------------------
+
+def _slot(e) -> int:
+    return -1 if e is None else int(e.slot)
+
+
+def _serve(a: Attachment, msg: list) -> Any:
+    op = msg[0]
+    if op == "lookup":
+        _, keys, record, num_tokens, held = msg
+        m = a.store.contains_prefix(keys, record=bool(record), num_tokens=num_tokens, held=int(held))
+        return [m.num_blocks, list(m.tiers), m.miss_reason]
+    if op == "pin":
+        _, keys, session, ttl = msg
+        hid, h = a.pin(keys, session, ttl)
+        return [hid, h.num_blocks, list(h.tier_of), [_slot(e) for e in h.entries]]
+    if op == "read":
+        return list(a.read(msg[1]))
+    if op == "end_load":
+        return a.end_load(msg[1])
+    if op == "begin_store":
+        _, keys, ttl = msg
+        sid, h = a.begin_store(keys, ttl)
+        return [sid, [_slot(e) for e in h.entries]]
+    if op == "end_store":
+        return a.end_store(msg[1], msg[2])
+    if op == "prefetch":
+        return a.prefetch(msg[1])
+    if op == "prefetch_done":
+        return a.prefetch_done(msg[1], PREFETCH_WAIT_S)
+    if op == "stats":
+        st, dram = a.store.stats(), a.store.dram
+        with dram.lock:
+            pinned = sum(1 for e in dram.index.entries.values() if e.pins)
+        return {"tiers": st["tiers"], "engine": a.name, "held": a.held, "refused": a.refused,
+                "free_slots": dram.pool.n_free, "n_slots": dram.pool.n_slots, "pinned": pinned}
+    if op == "ping":
+        return "pong"
+    raise ValueError(f"unknown op {op!r}")
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        srv: _Server = self.server  # type: ignore[assignment]
+        d, sock = srv.daemon, self.request
+        serve_timeouts(sock, FRAME_S)
+        try:
+            a = self._hello(d, sock)
+        except (ConnectionError, OSError, ValueError):
+            return
+        if a is None:
+            return
+        try:
+            while True:
+                try:
+                    msg = wire.recv_request(sock, IDLE_S, FRAME_S)
+                except (ConnectionError, OSError, ValueError):  # closed, idle, a stalled frame, not msgpack
+                    return
+                try:
+                    if not isinstance(msg, list) or not msg:
+                        raise ValueError("a request is [op, args...]")
+                    reply = [True, _serve(a, msg)]
+                except Exception as e:  # noqa: BLE001 - a bad call is answered, never kills the daemon
+                    log.debug("kvstore serve: %s from %s failed: %s", msg[0] if isinstance(msg, list) and msg
+                              else "?", a.name, e)
+                    reply = [False, f"{type(e).__name__}: {e}"]
+                try:
+                    wire.send(sock, reply)
+                except OSError:
+                    return
+        finally:
+            d.closed(a)
+
+    def _hello(self, d: NodeDaemon, sock) -> Attachment | None:
+        """The first frame: ``attach`` (a new engine: its memfd follows the reply) or ``join``."""
+        msg = wire.recv_request(sock, FRAME_S, FRAME_S)
+        try:
+            if isinstance(msg, list) and msg and msg[0] == "attach" and len(msg) == 6:
+                a = d.attach(*msg[1:])
+                pool = a.store.dram.pool
+                hello = {"token": a.token, "slot_bytes": pool.slot_bytes, "n_slots": pool.n_slots,
+                         "block_bytes": a.store.block_bytes, "pid": os.getpid()}
+            elif msg == ["ping"]:  # a readiness check (kvstore serve --ping): answered, then closed
+                wire.send(sock, [True, {"pid": os.getpid(), "engines": len(d.engines), "stores": len(d.stores)}])
+                return None
+            elif isinstance(msg, list) and len(msg) == 2 and msg[0] == "join":
+                a, hello, pool = d.join(msg[1]), {"pid": os.getpid()}, None
+            else:
+                raise ValueError("the first request is attach or join")
+        except (ConfigError, ValueError, LookupError, TypeError) as e:
+            d.refused["attach"] += 1
+            log.warning("kvstore serve: refused an engine: %s", e)
+            wire.send(sock, [False, f"{type(e).__name__}: {e}"])
+            return None
+        try:  # attach and join counted this connection: its close releases the engine, whatever happens next
+            wire.send(sock, [True, hello])
+            if pool is not None:
+                wire.send_fd(sock, pool.memfd)
+        except OSError:
+            d.closed(a)
+            raise
+        return a
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, daemon: NodeDaemon):
+        self.daemon = daemon
+        self.max_connections = daemon.config.node.max_engines * CONNECTIONS_PER_ENGINE
+        self.live: set[socket.socket] = set()
+        self._live_lock = threading.Lock()
+        super().__init__(path, _Handler)
+
+    def verify_request(self, request, client_address) -> bool:
+        try:
+            uid = peer_uid(request)
+        except OSError:
+            return False
+        if uid != os.getuid():
+            return self._refuse("uid", f"a client of {who(uid)}; only {who(os.getuid())} is served")
+        with self._live_lock:
+            if len(self.live) < self.max_connections:
+                self.live.add(request)
+                return True
+        return self._refuse("full", f"{self.max_connections} connections are open already")
+
+    def _refuse(self, reason: str, what: str) -> bool:
+        self.daemon.refused[reason] += 1
+        if self.daemon.refused[reason] == 1:
+            log.warning("kvstore serve: refused %s (further refusals are counted, not logged)", what)
+        return False
+
+    def shutdown_request(self, request) -> None:
+        with self._live_lock:
+            self.live.discard(request)
+        super().shutdown_request(request)
+
+    def drop_all(self) -> None:
+        with self._live_lock:
+            live = list(self.live)
+        for r in live:
+            try:
+                r.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

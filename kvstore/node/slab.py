@@ -1,0 +1,61 @@
+"""An engine's mapping of its node daemon's DRAM slab (the memfd the daemon handed over).
+
+Slot ``i`` is bytes ``[i * slot_bytes, (i + 1) * slot_bytes)`` of the memfd, as in the daemon's
+pool (:class:`~kvstore.tiers.dram.pool.SlabPool` with ``shared=True``). With CUDA the whole
+mapping is registered (``cudaHostRegister``), so the copy kernels read and write the slots at
+pinned speed, as they do an embedded engine's own pool. The mapping lives as long as a view of it
+does: a daemon that restarts hands over a new memfd, and copies still in flight into the old one
+land in memory nobody will read again, never in the new daemon's slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from kvstore.tiers.dram.pool import cuda_available, cuda_register, cuda_unregister, map_shared
+
+log = logging.getLogger(__name__)
+
+
+class SharedSlab:
+    def __init__(self, fd: int, n_slots: int, slot_bytes: int):
+        if n_slots <= 0 or slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
+            raise ValueError(f"a slab of {n_slots} slots of {slot_bytes} bytes")
+        size = n_slots * slot_bytes
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"the daemon's slab holds {os.fstat(fd).st_size} bytes, not {size}")
+        self.n_slots, self.slot_bytes = n_slots, slot_bytes
+        # not pre-faulted here: the daemon did; this maps its pages on first touch (or at the pin)
+        self._map, self.array = map_shared(fd, 0, size, prefault=False)
+        self._ptr = 0
+        if cuda_available():
+            rc = cuda_register(self.array)
+            if rc == 0:
+                self._ptr = self.array.ctypes.data
+            else:
+                log.error("kvstore node: registering the daemon's DRAM slab with CUDA failed (%s); copies to and "
+                          "from it run unpinned (slower): raise the locked-memory limit (ulimit -l)", rc)
+
+    @property
+    def pinned(self) -> bool:
+        return self._ptr != 0
+
+    def view(self, slot: int) -> np.ndarray:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} of {self.n_slots}")
+        return self.array[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+    def close(self) -> None:
+        """Unregister; the mapping goes with the last view of it (the GC unmaps it)."""
+        if self._ptr:
+            cuda_unregister(self._ptr)
+            self._ptr = 0
+        self.array = None
+        try:
+            self._map.close()
+        except BufferError:  # views still held (a copy in flight): unmapped with the last of them
+            pass

@@ -1,0 +1,357 @@
+"""The node cache (issue 46): one ``kvstore serve`` per host, engines attached to it.
+
+Engines here are :class:`~kvstore.node.client.NodeStore` s driven as the connector drives its
+store (begin_store, write the slots, end_store; contains_prefix; pin_load, read_load, read the
+views, end_load), in this process or in child processes that a test kills with -9. The daemon is
+real: in this process where a test only needs it to serve, a ``kvstore serve`` process where a
+test kills, stops or freezes it. Every fault is followed by the requests after it: a later
+store and load of the same blocks must give back the right bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from conftest import FP, blocks_for, make_keys
+from kvstore.config import from_dict
+from kvstore.keys import ModelFingerprint
+from kvstore.node.client import NodeStore, NodeUnavailable
+from kvstore.node.daemon import NodeDaemon
+from node_servers import Served
+
+BB = 64 << 10  # a block: 16 slots a MiB
+
+
+def node_config(tmp_path, *, name: str | None = None, dram_blocks: int = 64, nvme_blocks: int = 256, **node) -> dict:
+    return {"tiers": {"dram": {"capacity_gb": dram_blocks * BB / (1 << 30), "pin_memory": False, "headroom_blocks": 0},
+                      "nvme": {"path": str(tmp_path / "nvme"), "capacity_gb": nvme_blocks * (BB + 4096) / (1 << 30),
+                               "header": "inline"}},
+            "mode": "node", "node": {"name": name or f"t-{uuid.uuid4().hex[:12]}", **node}}
+
+
+def engine(cfg: dict, name: str = "e", fp: ModelFingerprint = FP) -> NodeStore:
+    return NodeStore(from_dict(cfg), block_bytes=BB, fingerprint=fp, block_tokens=fp.block_size, name=name)
+
+
+def store(e: NodeStore, keys, data) -> int:
+    h = e.begin_store(keys)
+    for v, x in zip(h.views, data):
+        if v is not None:
+            v[:] = x
+    return e.end_store(h, True)
+
+
+def load(e: NodeStore, keys) -> list[np.ndarray]:
+    """The leading blocks ``e`` can load, copied out (as the mover scatters them)."""
+    h = e.pin_load(keys)
+    try:
+        n = e.read_load(h)
+        return [v.copy() for v in h.views[:n]]
+    finally:
+        e.end_load(h)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    made = []
+
+    def make(**kw) -> tuple[NodeDaemon, dict]:
+        cfg = node_config(tmp_path, **kw)
+        d = NodeDaemon(from_dict(cfg)).start()
+        made.append(d)
+        return d, cfg
+
+    yield make
+    for d in made:
+        d.close(persist=False)
+
+
+@pytest.fixture
+def served(tmp_path):
+    made = []
+
+    def make(**kw) -> Served:
+        s = Served(tmp_path, node_config(tmp_path, **kw))
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        if s.proc.returncode is None:
+            try:
+                s.proc.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        s.close()
+
+
+# -- sharing ---------------------------------------------------------------------------------------
+
+def test_two_engines_share_one_copy_of_each_block(daemon):
+    _, cfg = daemon()
+    a, b = engine(cfg, "a"), engine(cfg, "b")
+    try:
+        keys, data = make_keys(8), blocks_for(make_keys(8), BB)
+        assert store(a, keys, data) == 8
+        m = b.contains_prefix(keys, record=False)
+        assert m.num_blocks == 8 and set(m.tiers) == {"dram"}
+        got = load(b, keys)
+        assert len(got) == 8 and all(np.array_equal(g, x) for g, x in zip(got, data))
+        assert store(b, keys, data) == 0  # stored once for the host
+        st = b.stats()
+        assert st["tiers"]["dram"]["blocks"] == 8 and st["n_slots"] - st["free_slots"] == 8  # 1x, not 2x
+    finally:
+        a.close()
+        b.close()
+
+
+def test_models_never_see_each_others_blocks(daemon):
+    """Another model (or revision, dtype, layout, rank: anything in the fingerprint) gets a store
+    of its own in the daemon: even its lookup of the first model's very keys finds nothing."""
+    _, cfg = daemon()
+    other = ModelFingerprint(model="another-model", dtype="float16", block_size=16, num_layers=2, num_kv_heads=2,
+                             head_size=8)
+    a, b = engine(cfg, "a"), engine(cfg, "b", fp=other)
+    try:
+        keys = make_keys(4)
+        assert store(a, keys, blocks_for(keys, BB)) == 4
+        assert b.contains_prefix(keys, record=False).num_blocks == 0
+        assert load(b, keys) == []
+        assert a.contains_prefix(keys, record=False).num_blocks == 4
+    finally:
+        a.close()
+        b.close()
+
+
+def test_one_engine_holds_at_most_its_share_of_the_slots(daemon):
+    _, cfg = daemon(dram_blocks=16, engine_share=0.25)  # 4 slots each
+    a, b = engine(cfg, "a"), engine(cfg, "b")
+    try:
+        keys = make_keys(12)
+        h = a.begin_store(keys)
+        assert sum(v is not None for v in h.views) == 4  # the rest refused, counted
+        h2 = b.begin_store(make_keys(4, seed=1))
+        assert all(v is not None for v in h2.views)  # a's reservation starved nobody
+        assert a.stats()["refused"] == 8
+        a.end_store(h, False)
+        b.end_store(h2, False)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- an engine dies ----------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from conftest import FP, make_keys
+    from kvstore.config import from_dict
+    from kvstore.node.client import NodeStore
+    e = NodeStore(from_dict({cfg!r}), block_bytes={bb}, fingerprint=FP, block_tokens=16, name="child")
+    keys = make_keys(8)
+    if {what!r} == "save":
+        h = e.begin_store(keys)
+        for v in h.views:
+            v[:] = 0xAB  # garbage, never published: the engine dies before end_store
+    else:
+        h = e.pin_load(keys)
+        assert h.num_blocks == 8
+    print("held", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _child(cfg: dict, what: str) -> subprocess.Popen:
+    code = CHILD.format(tests=os.path.dirname(__file__), cfg=cfg, bb=BB, what=what)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def _wait(cond, what: str, timeout: float = 10.0) -> None:
+    t = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t < timeout, what
+        time.sleep(0.02)
+
+
+def test_an_engine_killed_mid_save_publishes_nothing_and_leaks_no_slot(daemon):
+    _, cfg = daemon()
+    a = engine(cfg, "a")
+    try:
+        free = a.stats()["free_slots"]
+        p = _child(cfg, "save")
+        assert a.stats()["free_slots"] == free - 8  # its reservation holds 8 slots
+        p.kill()
+        p.wait()
+        _wait(lambda: a.stats()["free_slots"] == free, "the dead engine's slots were not freed")
+        keys = make_keys(8)
+        assert a.contains_prefix(keys, record=False).num_blocks == 0  # nothing half-written published
+        data = blocks_for(keys, BB)
+        assert store(a, keys, data) == 8  # the requests after it: stored and loaded right
+        assert all(np.array_equal(g, x) for g, x in zip(load(a, keys), data))
+    finally:
+        a.close()
+
+
+def test_an_engine_killed_mid_load_leaves_no_block_pinned(daemon):
+    _, cfg = daemon(dram_blocks=8, engine_share=1.0)
+    a = engine(cfg, "a")
+    try:
+        keys, data = make_keys(8), blocks_for(make_keys(8), BB)
+        assert store(a, keys, data) == 8
+        p = _child(cfg, "load")
+        assert a.stats()["pinned"] == 8
+        p.kill()
+        p.wait()
+        _wait(lambda: a.stats()["pinned"] == 0, "the dead engine's pins were not released")
+        more, stored = make_keys(8, seed=5), []  # a full DRAM: these evict the (unpinned) first ones to NVMe
+        _wait(lambda: stored.append(store(a, more, blocks_for(more, BB))) or sum(stored) == 8,
+              "pinned blocks kept their slots")  # a victim keeps its slot until written down: a few rounds
+        assert a.contains_prefix(more, record=False).tiers == ("dram",) * 8
+        got = load(a, keys)  # from NVMe, through whatever slots are free: a right prefix, the rest recomputed
+        assert all(np.array_equal(g, x) for g, x in zip(got, data))
+        _wait(lambda: len(load(a, keys)) == 8, "the blocks never loaded whole")  # once the victims are written
+    finally:
+        a.close()
+
+
+# -- the daemon dies, stalls, stops ------------------------------------------------------------------
+
+def test_a_killed_daemon_is_a_miss_then_a_new_one_is_attached_again(served, tmp_path, caplog):
+    s = served()
+    a = engine(s.cfg, "a")
+    try:
+        keys, data = make_keys(6), blocks_for(make_keys(6), BB)
+        assert store(a, keys, data) == 6
+        pinned = a.pin_load(keys)
+        s.stop(signal.SIGKILL)
+        with pytest.raises(NodeUnavailable):
+            a.contains_prefix(keys, record=False)
+        t = time.monotonic()
+        for _ in range(20):  # in backoff: no socket touched, no wait
+            with pytest.raises(NodeUnavailable):
+                a.contains_prefix(keys, record=False)
+            assert a.begin_store(keys).views == [None] * 6  # skipped, counted
+        assert time.monotonic() - t < 1.0
+        assert a.metrics.value("kvstore_tier_skipped_blocks_total", tier="dram", reason="node_down") == 120
+        assert [r.message for r in caplog.records if "daemon" in r.message and r.levelname == "WARNING"][:1]
+        s.start()  # a new daemon (DRAM was lost with -9; NVMe had nothing yet: write-back)
+        _wait(lambda: _answers(a), "the engine never attached again", timeout=40)
+        assert a.read_load(pinned) == 0  # a handle of the dead daemon: refused, not served
+        a.end_load(pinned)
+        assert store(a, keys, data) == 6
+        assert all(np.array_equal(g, x) for g, x in zip(load(a, keys), data))
+        assert a.counts["attached"] == 2
+    finally:
+        a.close()
+
+
+def _answers(e: NodeStore) -> bool:
+    try:
+        e.contains_prefix(make_keys(1, seed=99), record=False)
+        return True
+    except NodeUnavailable:
+        return False
+
+
+def test_a_stuck_daemon_costs_at_most_the_timeout(served):
+    s = served(timeout_ms=300)
+    a = engine(s.cfg, "a")
+    try:
+        keys = make_keys(4)
+        assert store(a, keys, blocks_for(keys, BB)) == 4
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(NodeUnavailable):
+            a.contains_prefix(keys, record=False)
+        assert time.monotonic() - t < 0.3 + 1.0  # its timeout, not forever
+        os.kill(s.proc.pid, signal.SIGCONT)
+        _wait(lambda: _answers(a), "the engine never attached again", timeout=40)
+        assert a.contains_prefix(keys, record=False).num_blocks == 4  # the daemon lived: its DRAM too
+    finally:
+        a.close()
+
+
+def test_a_graceful_stop_writes_dram_down_and_the_next_daemon_serves_it(served):
+    s = served()
+    a = engine(s.cfg, "a")
+    keys, data = make_keys(10), blocks_for(make_keys(10), BB)
+    try:
+        assert store(a, keys, data) == 10
+    finally:
+        a.close()
+    out = s.stop(signal.SIGTERM)
+    assert s.proc.returncode == 0, out
+    assert "written down: yes" in out
+    s.start()
+    b = engine(s.cfg, "b")
+    try:
+        m = b.contains_prefix(keys, record=False)
+        assert m.num_blocks == 10 and set(m.tiers) == {"nvme"}
+        got = load(b, keys)  # read by the daemon into its slab, copied by the engine
+        assert len(got) == 10 and all(np.array_equal(g, x) for g, x in zip(got, data))
+    finally:
+        b.close()
+
+
+# -- trust -----------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_another_user_is_refused(daemon, tmp_path):
+    d, cfg = daemon()
+    code = textwrap.dedent(f"""
+        import os, socket
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect({d.server.server_address!r})
+            s.settimeout(5)
+            print("read", s.recv(1))
+        except OSError as e:
+            print("refused", type(e).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
+    assert out.startswith("refused") or out.strip() == "read b''", out  # the folder, or SO_PEERCRED
+    assert not d.engines
+
+
+def test_the_slab_is_private_and_sealed(daemon):
+    import fcntl
+    import stat
+
+    d, cfg = daemon()
+    a = engine(cfg, "a")
+    try:
+        fd = next(iter(d.stores.values())).dram.pool.memfd
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        seals = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034))
+        assert seals & 2 and seals & 4  # no shrink, no grow: no peer can SIGBUS another's mapping
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 4096)
+    finally:
+        a.close()
+
+
+def test_an_engines_tiers_ask_nothing_of_the_machine_in_node_mode(tmp_path):
+    """Its tiers are the daemon's: an engine's config with more DRAM than the machine has is fine
+    in node mode (checked, and refused, in the daemon's)."""
+    from kvstore.store.machine import config_errors
+
+    big = {"tiers": {"dram": {"capacity_gb": 1e6}}}
+    _, errors = config_errors(overrides={**big, "mode": "node"})
+    assert errors == []
+    _, errors = config_errors(overrides=big)
+    assert [e.key for e in errors] == ["tiers.dram.capacity_gb"]
+    _, errors = config_errors(overrides={**big, "mode": "node"}, daemon=True)
+    assert [e.key for e in errors] == ["tiers.dram.capacity_gb"]
