@@ -23,7 +23,7 @@ import pytest
 
 from conftest import FP, blocks_for, make_keys
 from kvstore.config import from_dict
-from kvstore.keys import ModelFingerprint
+from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.node.client import NodeStore, NodeUnavailable
 from kvstore.node.daemon import NodeDaemon
 from node_servers import Served
@@ -234,7 +234,8 @@ def test_a_killed_daemon_is_a_miss_then_a_new_one_is_attached_again(served, tmp_
     try:
         keys, data = make_keys(6), blocks_for(make_keys(6), BB)
         assert store(a, keys, data) == 6
-        pinned = a.pin_load(keys)
+        pinned, copying = a.pin_load(keys), a.pin_load(keys)
+        assert a.read_load(copying) == 6  # the engine is copying out of these slots when the daemon dies
         s.stop(signal.SIGKILL)
         with pytest.raises(NodeUnavailable):
             a.contains_prefix(keys, record=False)
@@ -249,7 +250,8 @@ def test_a_killed_daemon_is_a_miss_then_a_new_one_is_attached_again(served, tmp_
         s.start()  # a new daemon (DRAM was lost with -9; NVMe had nothing yet: write-back)
         _wait(lambda: _answers(a), "the engine never attached again", timeout=40)
         assert a.read_load(pinned) == 0  # a handle of the dead daemon: refused, not served
-        a.end_load(pinned)
+        assert a.end_load(pinned) is False
+        assert a.end_load(copying) is False  # its pins went with the daemon: the mover fails that load
         assert store(a, keys, data) == 6
         assert all(np.array_equal(g, x) for g, x in zip(load(a, keys), data))
         assert a.counts["attached"] == 2
@@ -355,3 +357,53 @@ def test_an_engines_tiers_ask_nothing_of_the_machine_in_node_mode(tmp_path):
     assert [e.key for e in errors] == ["tiers.dram.capacity_gb"]
     _, errors = config_errors(overrides={**big, "mode": "node"}, daemon=True)
     assert [e.key for e in errors] == ["tiers.dram.capacity_gb"]
+
+
+def test_a_load_whose_daemon_is_lost_while_it_copies_is_failed_not_served(tmp_path):
+    """The mover copies out of pinned slab slots; if the pins go meanwhile (the daemon lost), other
+    engines may have written those slots: the load is failed (vLLM recomputes), never counted served."""
+    import threading
+
+    from kvstore import failpoints, kvcopy
+    from kvstore.offload import LocalClient, Mover, acquire_shared, release_shared
+    from kvstore.offload.planner import Planner
+    from test_planner_rollback import BS, new_request, toks
+
+    cache = np.zeros((32, 1, BS, 16), np.float16)  # vLLM's CPU layout, one layer
+    layout = kvcopy.KVLayout.from_vllm([cache])
+    fp = ModelFingerprint(model="node-mover", dtype="float16", block_size=BS, num_layers=1, num_kv_heads=1,
+                          head_size=8, layout=f"x.{layout.packing}")
+    cfg = node_config(tmp_path)
+    d = NodeDaemon(from_dict(cfg)).start()
+    shared = acquire_shared("node-mover/tp0", from_dict(cfg), fp, layout.block_bytes, BS)
+    try:
+        mover = Mover(shared)
+        mover.register([cache], layout)
+        planner = Planner(LocalClient(shared), fp, BS, prefetch=False)
+        t = toks(26, 3)  # 6 full blocks
+        other = NodeStore(from_dict(cfg), block_bytes=layout.block_bytes, fingerprint=fp, block_tokens=BS)
+        keys = chain_keys(fp, t, BS)[:6]
+        good = np.random.default_rng(1).standard_normal((6,) + cache.shape[1:]).astype(np.float16)
+        assert store(other, keys, [g.view(np.uint8).reshape(-1) for g in good]) == 6
+        other.close()
+        st, hit = new_request(planner, "a", t)
+        assert hit == 24
+        planner.allocated(st, 24)
+        ids = list(range(10, 16))
+        plan = planner.build_step([("a", ids + [16], 24)], [], {"a": 2})
+        failpoints.arm("mover.scatter=hold*1")
+        failpoints.close_gate()
+        worker = threading.Thread(target=mover.load, args=(plan,))
+        worker.start()
+        _wait(lambda: failpoints.fired("mover.scatter") == 1, "the load never reached its copy")
+        d.close(persist=False)  # the daemon goes, and with it the pins, while the load copies
+        failpoints.open_gate()
+        worker.join(30)
+        assert mover.take_load_errors() == set(ids)
+        assert shared.metrics.registry.get_sample_value("kvstore_engine_served_tokens_total", {"tier": "dram"}) \
+            in (None, 0.0)
+        mover.close()
+    finally:
+        failpoints.clear()
+        release_shared(shared)
+        d.close(persist=False)
