@@ -261,6 +261,17 @@ class NodeStore:
             raise RuntimeError(f"kvstore node {op}: {res}")
         return res
 
+    def _cast(self, op: str, *args) -> None:
+        """A call whose answer is not waited for (``daemon.CASTS``)."""
+        link = self._link()
+        try:
+            wire.send(link.sock, [op, *args])
+        except (OSError, ValueError, AttributeError) as e:
+            with self._lock:
+                if link.gen == self._gen:
+                    self._lose(e)
+            raise NodeUnavailable(f"{op}: {type(e).__name__}: {e}") from None
+
     def _stale(self, gen: int) -> bool:
         if gen != self._gen:
             self.counts["stale_handles"] += 1
@@ -330,9 +341,11 @@ class NodeStore:
         h.done = True
         if self._stale(h.gen):
             return False
+        # not waited for (the daemon answers nothing): while this engine's attachment lives, its
+        # pins held, whatever the daemon does with the message; and a lost attachment shows here
         try:
-            self._call("end_load", h.hid)
-        except (NodeUnavailable, RuntimeError) as e:  # a timeout: unpinned with the anchor's end, or later
+            self._cast("end_load!", h.hid)
+        except NodeUnavailable as e:  # unpinned with the attachment's end
             log.debug("kvstore node: end_load failed: %s", e)
         return not self._stale(h.gen)
 

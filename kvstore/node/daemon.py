@@ -199,6 +199,11 @@ class NodeDaemon:
 
 # -- serving ---------------------------------------------------------------------------------------
 
+# calls answered with nothing (the engine does not wait for them; the stream keeps their order):
+# the end of a load, on the engine's forward path (one round trip less per hit: 0.1-0.3 ms here)
+CASTS = {"end_load!": "end_load"}
+
+
 def _slot(e) -> int:
     return -1 if e is None else int(e.slot)
 
@@ -255,14 +260,17 @@ class _Handler(socketserver.BaseRequestHandler):
                     msg = wire.recv_request(sock, IDLE_S, FRAME_S)
                 except (ConnectionError, OSError, ValueError):  # closed, idle, a stalled frame, not msgpack
                     return
+                cast = isinstance(msg, list) and bool(msg) and msg[0] in CASTS
                 try:
                     if not isinstance(msg, list) or not msg:
                         raise ValueError("a request is [op, args...]")
-                    reply = [True, _serve(a, msg)]
+                    reply = [True, _serve(a, [CASTS.get(msg[0], msg[0]), *msg[1:]])]
                 except Exception as e:  # noqa: BLE001 - a bad call is answered, never kills the daemon
                     log.debug("kvstore serve: %s from %s failed: %s", msg[0] if isinstance(msg, list) and msg
                               else "?", a.name, e)
                     reply = [False, f"{type(e).__name__}: {e}"]
+                if cast:
+                    continue
                 try:
                     wire.send(sock, reply)
                 except OSError:

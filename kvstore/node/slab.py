@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 
 import numpy as np
 
-from kvstore.tiers.dram.pool import cuda_available, cuda_register, cuda_unregister, map_shared
+from kvstore.tiers.dram.pool import cuda_available, cuda_register, cuda_unregister, map_shared, populate
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,13 @@ class SharedSlab:
         if os.fstat(fd).st_size < size:
             raise ValueError(f"the daemon's slab holds {os.fstat(fd).st_size} bytes, not {size}")
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
-        # not pre-faulted here: the daemon did; this maps its pages on first touch (or at the pin)
         self._map, self.array = map_shared(fd, 0, size, prefault=False)
         self._ptr = 0
+        if not cuda_available():  # (the CUDA registration below maps every page itself)
+            # The daemon's pages are in memory, but not in this process's page tables: a first
+            # copy from a slot took a minor fault per 4 KiB page. Mapped in the background, at the
+            # lowest priority, 8 MiB a step (the engine's own mmaps are never held up long)
+            threading.Thread(target=self._populate, name="kvstore-node-slab", daemon=True).start()
         if cuda_available():
             rc = cuda_register(self.array)
             if rc == 0:
@@ -39,6 +44,17 @@ class SharedSlab:
             else:
                 log.error("kvstore node: registering the daemon's DRAM slab with CUDA failed (%s); copies to and "
                           "from it run unpinned (slower): raise the locked-memory limit (ulimit -l)", rc)
+
+    def _populate(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
+        m = self._map
+        try:
+            populate(m, len(m))
+        except (OSError, ValueError, BufferError):  # an old kernel, or closed meanwhile: first touches fault
+            pass
 
     @property
     def pinned(self) -> bool:

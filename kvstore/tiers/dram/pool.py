@@ -100,6 +100,9 @@ def _populate(m: mmap.mmap, size: int) -> None:
             raise OSError(err, os.strerror(err))
 
 
+populate = _populate  # for the node daemon's engines, which map its slab (kvstore.node.slab)
+
+
 def alloc_aligned(nbytes: int, *, prefault: bool = True) -> tuple[mmap.mmap, np.ndarray]:
     """An anonymous, page-aligned mapping of at least ``nbytes`` and a uint8 view of it.
 
