@@ -1,0 +1,200 @@
+"""``kvstore bench node``: the node cache (issue 46) through real vLLM engines on one host.
+
+A ``kvstore serve`` daemon (DRAM and NVMe), and engines in processes of their own, one after the
+other (two engines at once take longer to start on a 2-core machine than in turn):
+
+* ``embedded``: one engine with its own store computes each prompt, its prefix cache is reset,
+  and the same prompt is asked again: **the same engine's DRAM hit** (today's kvstore);
+* ``node A``: an engine attached to the daemon (``mode: node``) computes the same prompts,
+  storing them into the daemon's slab;
+* ``node B``: a new engine process attached to the daemon asks them: **a cross-engine DRAM hit**
+  (also what an engine restarted on a host finds).
+
+Per prompt length (``--lengths``), ``--repeats`` fresh prompts after one warm-up prompt each.
+Reported: each case's median TTFT, the median of the paired ratios node B ÷ embedded hit (goal
+<= 1.1), B's cached tokens (every full block but the last token's) and whether B's greedy outputs
+equal the embedded engine's; the daemon's DRAM blocks after A and B (the prompts once: 1x, where
+two embedded engines hold 2x), and the daemon's CPU seconds per GiB stored (from /proc, while A
+stores). Runs on a tiny random Llama built offline, like ``bench e2e``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from kvstore.bench import harness
+from kvstore.bench.report import markdown_table
+
+OUTPUT = 4  # tokens generated per request (the TTFT is the first)
+
+
+def add_args(p) -> None:
+    p.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens (comma separated)")
+    p.add_argument("--repeats", type=int, default=5, help="fresh prompts per length")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM block size (a multiple of 32 on CPU)")
+    p.add_argument("--dram-gb", type=float, default=0.5, help="the daemon's (and the embedded engine's) DRAM")
+    p.add_argument("--dir", type=harness.folder, default=None, help="work folder (default: a temp folder)")
+    harness.output_args(p, plots=False)
+
+
+def _prompts(lengths: list[int], repeats: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(46)
+    return {n: [[int(x) for x in rng.integers(4, 500, n)] for _ in range(repeats + 1)] for n in lengths}
+
+
+def _job(job: dict) -> dict:
+    """One engine's run (a child process): each length's warm-up prompt, then its prompts, with
+    ``job["again"]``: each asked twice, vLLM's prefix cache reset between (the second is a hit)."""
+    from kvstore.bench.engine import Engine, connector_config, kv_transfer
+    from kvstore.offload import shared as shared_mod
+
+    extra = connector_config(job["store"], dram_gb=job["dram_gb"], nvme_gb=4)
+    extra.update(job.get("extra") or {})
+    longest = max(int(n) for n in job["prompts"])
+    eng = Engine(job["model"], block_size=job["block_size"], max_len=longest + 64, batched_tokens=longest + 64,
+                 kv_transfer=kv_transfer(extra))
+    out: dict = {"runs": {}}
+    try:
+        for n, ps in job["prompts"].items():
+            eng.batch([ps[0]], OUTPUT)  # warm-up of this length
+            for sh in shared_mod.live():
+                sh.store.wait_ready(120)
+            runs = []
+            for p in ps[1:]:
+                r = eng.batch([p], OUTPUT)
+                if job.get("again"):
+                    for sh in shared_mod.live():
+                        sh.store.flush()
+                    eng.reset()
+                    r = eng.batch([p], OUTPUT)
+                runs.append({"ttft_s": r["ttft_s"][0], "cached": r["cached"][0], "outputs": r["outputs"][0]})
+            out["runs"][n] = runs
+        for sh in shared_mod.live():
+            out["served_dram_tokens"] = sh.metrics.registry.get_sample_value(
+                "kvstore_engine_served_tokens_total", {"tier": "dram"}) or 0.0
+            out["dram_blocks"] = sh.store.stats()["tiers"].get("dram", {}).get("blocks")
+            out["block_bytes"] = sh.store.block_bytes
+    finally:
+        eng.close()
+    return out
+
+
+def _spawn(name: str, job: dict, work: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path, log_path, res = (os.path.join(work, f"{name}.{x}") for x in ("job.json", "log", "result.json"))
+    job = {**job, "result": res}
+    with open(path, "w") as f:
+        json.dump(job, f)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "kvstore.bench.node", path], cwd=root, env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+    if rc != 0 or not os.path.exists(res):
+        with open(log_path, errors="replace") as f:
+            raise RuntimeError(f"bench node: engine {name} failed (exit {rc}):\n{f.read()[-4000:]}")
+    with open(res) as f:
+        return json.load(f)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(a) -> dict:
+    import yaml
+
+    from kvstore.bench.tiny_model import build_tiny_llama
+    from kvstore.config import from_dict
+    from kvstore.node.probe import ping
+
+    lengths = [int(x) for x in a.lengths.split(",")]
+    work = a.dir or tempfile.mkdtemp(prefix="kvstore-bench-node-")
+    model = build_tiny_llama(os.path.join(work, "model"), hidden=256, layers=4, seed=0)
+    prompts = _prompts(lengths, a.repeats)
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    cfg = {"tiers": {"dram": {"capacity_gb": a.dram_gb, "ttl_s": None},
+                     "nvme": {"path": os.path.join(work, "daemon-nvme"), "capacity_gb": 4, "ttl_s": None}},
+           "mode": "node", "node": {"name": name}}
+    cfg_file = os.path.join(work, "daemon.yaml")
+    with open(cfg_file, "w") as f:
+        yaml.safe_dump(cfg, f)
+    daemon = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "serve", "--config", cfg_file],
+                              stdout=open(os.path.join(work, "daemon.log"), "w"), stderr=subprocess.STDOUT)
+    try:
+        t = time.monotonic()
+        while ping(from_dict(cfg)) != daemon.pid:
+            if daemon.poll() is not None or time.monotonic() - t > 60:
+                raise RuntimeError("bench node: kvstore serve did not start (daemon.log)")
+            time.sleep(0.1)
+        base = {"model": model, "block_size": a.block_size, "dram_gb": a.dram_gb,
+                "prompts": {str(n): ps for n, ps in prompts.items()}}
+        embedded = _spawn("embedded", {**base, "store": os.path.join(work, "embedded"), "again": True}, work)
+        node = {"store": None, "extra": {"mode": "node", "node": {"name": name}}}
+        # the model's store and slab are made at its first attach: a warm-up engine does that (and
+        # stores the warm-up prompts), so the daemon's CPU while A stores is the stores' alone
+        _spawn("node_warmup", {**base, **node, "prompts": {str(n): ps[:1] for n, ps in prompts.items()}}, work)
+        cpu0 = _cpu_s(daemon.pid)
+        node_a = _spawn("node_a", {**base, **node}, work)
+        cpu_a = _cpu_s(daemon.pid) - cpu0
+        node_b = _spawn("node_b", {**base, **node}, work)
+    finally:
+        daemon.terminate()
+        daemon.wait(120)
+    rows, ratios_all = [], []
+    for n in lengths:
+        e, b, na = embedded["runs"][str(n)], node_b["runs"][str(n)], node_a["runs"][str(n)]
+        ratios = [y["ttft_s"] / x["ttft_s"] for x, y in zip(e, b)]
+        ratios_all += ratios
+        full = (n - 1) // a.block_size * a.block_size
+        rows.append([n, f"{statistics.median(r['ttft_s'] for r in na) * 1e3:.1f}",
+                     f"{statistics.median(r['ttft_s'] for r in e) * 1e3:.1f}",
+                     f"{statistics.median(r['ttft_s'] for r in b) * 1e3:.1f}", f"{statistics.median(ratios):.2f}",
+                     "yes" if all(r["cached"] == full for r in b) else "NO",
+                     "yes" if all(x["outputs"] == y["outputs"] for x, y in zip(e, b)) else "NO"])
+    stored_blocks = sum(n // a.block_size * (a.repeats + 1) for n in lengths)  # every full block is stored
+    a_gib = sum(n // a.block_size * a.repeats for n in lengths) * node_a["block_bytes"] / (1 << 30)
+    res = {"lengths": lengths, "repeats": a.repeats, "rows": rows, "ratio_median": statistics.median(ratios_all),
+           "daemon_dram_blocks_after_b": node_b.get("dram_blocks"), "prompt_blocks": stored_blocks,
+           "daemon_cpu_s_while_a_stored": cpu_a,
+           "a_stored_gib": a_gib, "daemon_cpu_s_per_stored_gib": cpu_a / a_gib if a_gib else None, "work": work}
+    res["problems"] = [f"cross-engine hit / same-engine hit {res['ratio_median']:.2f} > 1.1"] \
+        if res["ratio_median"] > 1.1 else []
+    return harness.report(a, res, _render)
+
+
+COLUMNS = ["tokens", "node A miss ms", "embedded DRAM hit ms", "node B hit ms", "B / embedded", "B all cached",
+           "same output"]
+
+
+def _render(res: dict) -> str:
+    return "\n".join([
+        markdown_table([dict(zip(COLUMNS, r)) for r in res["rows"]], COLUMNS),
+        f"\nB / embedded, median of every paired ratio: {res['ratio_median']:.2f} (goal <= 1.1)",
+        f"daemon DRAM blocks after A and B: {res['daemon_dram_blocks_after_b']} (the prompts' full blocks: "
+        f"{res['prompt_blocks']}; two embedded engines hold each twice)",
+        f"daemon CPU while engine A stored {res['a_stored_gib']:.3f} GiB: {res['daemon_cpu_s_while_a_stored']:.2f} s "
+        f"({res['daemon_cpu_s_per_stored_gib']:.2f} s a GiB; its requests' lookups and pins included)"])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".job.json"):
+        with open(sys.argv[1]) as f:
+            job = json.load(f)
+        r = _job(job)
+        with open(job["result"] + ".tmp", "w") as f:
+            json.dump(r, f)
+        os.replace(job["result"] + ".tmp", job["result"])
+    else:
+        harness.main(__name__)
