@@ -151,6 +151,7 @@ public:
     const std::string& reason() const { return reason_; }
     int depth() const { return depth_; }
     uint64_t helped() const { return b_ ? b_->helped() : 0; }
+    uint64_t wait_errors() const { return b_ ? b_->wait_errors() : 0; }
     int threads() const { return b_ && std::string(b_->name()) == "io_uring" ? threads_ : 1; }
 
 private:
@@ -188,6 +189,7 @@ NB_MODULE(_blockio, m) {
         .def(nb::init<const std::string&, int, int>(), "backend"_a = "auto", "depth"_a = 8, "threads"_a = 1)
         .def_prop_ro("threads", &Engine::threads)
         .def_prop_ro("helped", &Engine::helped)
+        .def_prop_ro("wait_errors", &Engine::wait_errors)
         .def_prop_ro("backend", &Engine::name)
         .def_prop_ro("reason", &Engine::reason)
         .def_prop_ro("depth", &Engine::depth)

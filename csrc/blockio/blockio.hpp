@@ -107,6 +107,7 @@ public:
     virtual void read(std::vector<ReadJob>& jobs, const Ctx& c) = 0;
     virtual const char* name() const = 0;
     virtual uint64_t helped() const { return 0; }  // blocks helper threads took from callers' batches
+    virtual uint64_t wait_errors() const { return 0; }  // io_uring waits that failed (each waited again)
 };
 
 Backend* make_threads(int depth);

@@ -106,6 +106,12 @@ class BlockIO:
         return self._e.helped
 
     @property
+    def wait_errors(self) -> int:
+        """io_uring waits for a completion that failed; each was waited again until the I/O in
+        flight completed (its buffers are never given back before)."""
+        return self._e.wait_errors
+
+    @property
     def reason(self) -> str:
         """Why the backend is not io_uring ("" when it is)."""
         return self._e.reason
