@@ -240,7 +240,7 @@ class NodeStore:
         try:
             wire.send(link.sock, [op, *args])
             ok, res = wire.recv(link.sock, time.monotonic() + self.timeout)
-        except (TimeoutError, BlockingIOError) as e:
+        except (TimeoutError, BlockingIOError):
             # stuck or slow: this connection's reply may still come, so it goes; the attachment
             # (its pins) stays with the anchor, and calls back off until the daemon answers again
             with self._lock:

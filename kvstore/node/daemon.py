@@ -32,7 +32,8 @@ from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
 from kvstore.node.attachment import Attachment
 from kvstore.offload.frames import serve_timeouts
-from kvstore.offload.sockdir import open_folder, path_in, peer_uid, who
+from kvstore.offload.private_server import PrivateServer
+from kvstore.offload.sockdir import open_folder, path_in
 from kvstore.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class NodeDaemon:
             self._claim(folder)
             old = os.umask(0o177)
             try:
-                self.server = _Server(path_in(self._dir, folder, self._name), self)
+                self.server = PrivateServer(path_in(self._dir, folder, self._name), _Handler, self,
+                                            config.node.max_engines * CONNECTIONS_PER_ENGINE, self.refused,
+                                            "kvstore serve")
             finally:
                 os.umask(old)
         except BaseException:
@@ -245,8 +248,7 @@ def _serve(a: Attachment, msg: list) -> Any:
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        srv: _Server = self.server  # type: ignore[assignment]
-        d, sock = srv.daemon, self.request
+        d, sock = self.server.context, self.request  # type: ignore[attr-defined]
         serve_timeouts(sock, FRAME_S)
         try:
             a = self._hello(d, sock)
@@ -307,47 +309,3 @@ class _Handler(socketserver.BaseRequestHandler):
             d.closed(a)
             raise
         return a
-
-
-class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-    def __init__(self, path: str, daemon: NodeDaemon):
-        self.daemon = daemon
-        self.max_connections = daemon.config.node.max_engines * CONNECTIONS_PER_ENGINE
-        self.live: set[socket.socket] = set()
-        self._live_lock = threading.Lock()
-        super().__init__(path, _Handler)
-
-    def verify_request(self, request, client_address) -> bool:
-        try:
-            uid = peer_uid(request)
-        except OSError:
-            return False
-        if uid != os.getuid():
-            return self._refuse("uid", f"a client of {who(uid)}; only {who(os.getuid())} is served")
-        with self._live_lock:
-            if len(self.live) < self.max_connections:
-                self.live.add(request)
-                return True
-        return self._refuse("full", f"{self.max_connections} connections are open already")
-
-    def _refuse(self, reason: str, what: str) -> bool:
-        self.daemon.refused[reason] += 1
-        if self.daemon.refused[reason] == 1:
-            log.warning("kvstore serve: refused %s (further refusals are counted, not logged)", what)
-        return False
-
-    def shutdown_request(self, request) -> None:
-        with self._live_lock:
-            self.live.discard(request)
-        super().shutdown_request(request)
-
-    def drop_all(self) -> None:
-        with self._live_lock:
-            live = list(self.live)
-        for r in live:
-            try:
-                r.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass

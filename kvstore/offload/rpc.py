@@ -30,6 +30,7 @@ from kvstore import failpoints
 from kvstore.offload.client import LocalClient
 from kvstore.offload.frames import MAX_MSG, recv_frame, recv_served, send_frame, serve_timeouts  # noqa: F401
 from kvstore.offload.metrics import RequestOutcome
+from kvstore.offload.private_server import PrivateServer
 from kvstore.offload.shared import SharedStore
 from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
 from kvstore.offload.sockdir import folder_path as _folder_path
@@ -87,9 +88,16 @@ def _serve(c: LocalClient, msg: dict):
     raise ValueError(f"unknown op {op!r}")
 
 
+class _Rpc:
+    """What the scheduler RPC's handlers serve: the store, and the connections' time limits."""
+
+    def __init__(self, shared: SharedStore, idle_s: float, frame_s: float):
+        self.shared, self.idle_s, self.frame_s = shared, idle_s, frame_s
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        srv: _Server = self.server  # type: ignore[assignment]
+        srv: _Rpc = self.server.context  # type: ignore[attr-defined]
         c = LocalClient(srv.shared)  # this connection's handles and prefetches
         try:
             serve_timeouts(self.request, min(srv.frame_s, srv.idle_s))
@@ -110,50 +118,6 @@ class _Handler(socketserver.BaseRequestHandler):
                     return
         finally:
             c.close()  # the loads it pinned and the worker did not take are released
-
-
-class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-    def __init__(self, path: str, shared: SharedStore, idle_s: float, frame_s: float, max_connections: int):
-        self.shared, self.idle_s, self.frame_s, self.max_connections = shared, idle_s, frame_s, max_connections
-        self.live: set[socket.socket] = set()
-        self.refused = {"uid": 0, "full": 0}  # connections closed unserved, by reason
-        self._live_lock = threading.Lock()
-        super().__init__(path, _Handler)
-
-    def verify_request(self, request, client_address) -> bool:  # in the accepting thread: no thread yet
-        try:
-            uid = peer_uid(request)
-        except OSError:  # gone already (an error here would end serve_forever)
-            return False
-        if uid != os.getuid():
-            return self._refuse("uid", f"a client of {who(uid)}; only {who(os.getuid())} is served")
-        with self._live_lock:
-            if len(self.live) < self.max_connections:
-                self.live.add(request)
-                return True
-        return self._refuse("full", f"{self.max_connections} connections are open already")
-
-    def _refuse(self, reason: str, what: str) -> bool:
-        self.refused[reason] += 1
-        if self.refused[reason] == 1:  # once: a flood of them must not flood the log
-            log.warning("kvstore rpc: refused %s (further refusals are counted, not logged)", what)
-        return False
-
-    def shutdown_request(self, request) -> None:  # every end of a connection, served or not
-        with self._live_lock:
-            self.live.discard(request)
-        super().shutdown_request(request)
-
-    def drop_all(self) -> None:
-        with self._live_lock:
-            live = list(self.live)
-        for r in live:  # the handler sees the end and releases the connection's pins
-            try:
-                r.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 SOCKET_YOUNG_S = 30.0  # a socket younger than this is left alone (its server may not listen yet)
@@ -209,8 +173,9 @@ class StoreServer:
             _remove_dead_sockets(self._dir, folder)
             old = os.umask(0o177)
             try:
-                self.server = _Server(path_in(self._dir, folder, self._name), shared, idle_s, frame_s,
-                                      max_connections)
+                self.server = PrivateServer(path_in(self._dir, folder, self._name), _Handler,
+                                            _Rpc(shared, idle_s, frame_s), max_connections,
+                                            {"uid": 0, "full": 0}, "kvstore rpc")
             finally:
                 os.umask(old)
         except BaseException:
