@@ -408,3 +408,112 @@ def test_a_load_whose_daemon_is_lost_while_it_copies_is_failed_not_served(tmp_pa
         failpoints.clear()
         release_shared(shared)
         d.close(persist=False)
+
+
+# -- what a slow daemon must not cost: found by a review (each failed before its fix) ---------------
+
+def _slow_once(e: NodeStore, call) -> None:
+    """``call`` on a new thread of ``e`` with a timeout nothing meets: the daemon looks stuck to it."""
+    import threading
+
+    t0, e.timeout = e.timeout, 1e-9
+    err = []
+    th = threading.Thread(target=lambda: err.append(pytest.raises(NodeUnavailable, call)))
+    th.start()
+    th.join()
+    e.timeout = t0
+    assert err
+
+
+def test_a_slow_daemon_never_frees_what_an_engine_is_still_writing(daemon):
+    """A join that timed out closed the anchor: the daemon freed the engine's reserved slots while
+    its gather was still writing them, another engine published its blocks there, and the late
+    gather overwrote them (wrong bytes in 4 of 4 blocks served)."""
+    _, cfg = daemon(dram_blocks=8, engine_share=1.0)
+    a, b = engine(cfg, "a"), engine(cfg, "b")
+    try:
+        ka, kb = make_keys(4, seed=1), make_keys(4, seed=2)
+        r = a.begin_store(ka)
+        free = b.stats()["free_slots"]
+        _slow_once(a, lambda: a.contains_prefix(ka, record=False))
+        time.sleep(0.2)
+        assert b.stats()["free_slots"] == free  # a's reservation still holds its slots
+        good = blocks_for(kb, BB)
+        store(b, kb, good)  # into other slots, or skipped: never a's
+        for v in r.views:
+            v[:] = 0xA  # a's gather lands late
+        _wait(lambda: _answers(a), "a never answered again")
+        assert a.end_store(r, True) == 4
+        got = load(b, kb)
+        assert all(np.array_equal(g, x) for g, x in zip(got, good))
+        assert all((x == 0xA).all() for x in load(b, ka))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_pin_whose_answer_never_came_is_ended_later(daemon):
+    """The daemon pinned, the engine gave up waiting: the pin was held until the engine detached
+    (for a long-lived engine, never), and enough of them starve it of its share."""
+    _, cfg = daemon()
+    a, b = engine(cfg, "a"), engine(cfg, "b")
+    try:
+        keys = make_keys(4)
+        assert store(a, keys, blocks_for(keys, BB)) == 4  # this thread has its connection now
+
+        def slow(call) -> None:  # on this connection, a timeout nothing meets
+            t0, a.timeout = a.timeout, 1e-9
+            try:
+                with pytest.raises(NodeUnavailable):
+                    call()
+            finally:
+                a.timeout = t0
+
+        slow(lambda: a.pin_load(keys))
+        _wait(lambda: _answers(a), "a never answered again")  # its first call flushes the queued end
+        _wait(lambda: b.stats()["pinned"] == 0, "the pin whose answer never came is still held")
+        h = a.pin_load(keys)
+        slow(lambda: a._call("read", h.hid))  # a read that times out: its end must still go
+        a.end_load(h)
+        _wait(lambda: _answers(a), "a never answered again")
+        _wait(lambda: b.stats()["pinned"] == 0, "the pin of a read that timed out is still held")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_connections_of_threads_that_ended_are_closed(daemon):
+    import threading
+
+    d, cfg = daemon()
+    a = engine(cfg, "a")
+    try:
+        for i in range(20):  # vLLM's RPC server makes a thread per scheduler connection
+            th = threading.Thread(target=lambda: a.contains_prefix(make_keys(1, seed=i), record=False))
+            th.start()
+            th.join()
+        assert len(a._links) <= 2
+        assert next(iter(d.engines.values())).connections <= 3  # the anchor and at most two links
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("msg", [["end_store", 7, "not a list"], ["pin", 5, [], {"a": 1}, None],
+                                 ["pin", -1, [], None, None], ["lookup", "x", False, None, 0],
+                                 ["pin", 5, [b"short"], None, None], ["begin_store", 2**70, [], None]])
+def test_a_bad_call_is_refused_before_it_holds_anything(daemon, msg):
+    from kvstore.node.daemon import _serve
+
+    d, cfg = daemon()
+    a = engine(cfg, "a")
+    try:
+        keys = make_keys(2)
+        r = a.begin_store(keys)
+        att = next(iter(d.engines.values()))
+        held = att.held
+        with pytest.raises((ValueError, TypeError, LookupError)):
+            _serve(att, [*msg[:1], *([r.sid] if msg[0] == "end_store" else msg[1:2]), *msg[2:]])
+        assert att.held == held and len(att.loads) == 0 and r.sid in att.stores  # nothing taken, nothing lost
+        assert a.end_store(r, True) == 2
+    finally:
+        a.close()

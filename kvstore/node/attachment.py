@@ -1,16 +1,17 @@
 """One engine attached to a node daemon: what it holds in the daemon's store, and its bounds.
 
-An engine attaches once (its first connection) and may join more connections to the same
+An engine attaches once (its anchor connection) and joins more connections to the same
 attachment (a scheduler thread, a copy thread and a load thread each keep one, so a slow NVMe
 read never holds up a lookup). The handles it made live here, not in a connection: the
 scheduler's connection pins a load that the load thread's connection reads and ends. When the
-last of its connections closes (the engine exited, was killed with -9, or its daemon link
-broke), :meth:`release` ends every load it pinned and aborts every store it reserved: a slot
-half written by a dead engine is never published, and none leaks.
+last of its connections closes (the engine exited, was killed with -9, or lost the daemon),
+:meth:`release` ends every load it pinned and aborts every store it reserved: a slot half
+written by a dead engine is never published, and none leaks.
 
-Bounds, so one engine cannot starve the others: at most ``max_blocks`` blocks pinned or
-reserved at once (``node.engine_share`` of the DRAM slots), and at most ``MAX_HANDLES`` handles
-(a scheduler that never ends its loads is cut off, not the daemon's memory).
+Handle ids are the engine's (:func:`new_id`, 63 random bits): a pin whose answer never reached
+the engine can still be ended by it. Bounds, so one engine cannot starve the others: at most
+``max_blocks`` blocks pinned, reserved or read into bounce slots at once (``node.engine_share``
+of the DRAM slots), and at most ``MAX_HANDLES`` handles.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
+
+import numpy as np
 
 from kvstore.store import KVStore, LoadHandle, StoreHandle
 
@@ -32,121 +35,181 @@ def new_id() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1 | 1
 
 
+class _Load:
+    """A pinned load, its bounce slots, and the lock its read and its end take in turn (two
+    connections naming one id never read into, or free, the same slots at once)."""
+
+    def __init__(self, h: LoadHandle):
+        self.h, self.bounce, self.lock = h, [], threading.Lock()
+
+
+class _Bounce:
+    """``outs`` for :meth:`KVStore.read_load`: a block the store cannot promote into a DRAM slot is
+    read into a slot taken from the pool for this load alone (never into memory the engine cannot
+    see), asked for only when the store needs one (after its promotion found no room); past the
+    engine's share, or with no free slot, a private buffer, where the load ends."""
+
+    def __init__(self, a: "Attachment", load: _Load, n: int):
+        self.a, self.load, self.n = a, load, n
+        self.pool = a.store.dram.pool
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self.a.take(1):
+            slot = self.pool.alloc()
+            if slot is not None:
+                self.load.bounce.append(slot)
+                return self.pool.view(slot)
+            self.a._give(1)
+        return np.empty(self.pool.slot_bytes, np.uint8)  # not handed over: the load is cut before it
+
+
 class Attachment:
     def __init__(self, store: KVStore, name: str, max_blocks: int):
         self.store = store
         self.name = name  # the engine's own name (vLLM's engine id and rank), for logs and stats
         self.token = os.urandom(16)  # what its other connections present to join it
         self.max_blocks = max(1, int(max_blocks))
-        self.loads: dict[int, LoadHandle] = {}
+        self.loads: dict[int, _Load] = {}
         self.stores: dict[int, StoreHandle] = {}
         self.prefetches: dict[int, Future] = {}
-        self.bounce: dict[int, list[int]] = {}  # a load's bounce slots (see read), freed at its end
-        self.held = 0  # blocks pinned by its loads and reserved by its stores
-        self.refused = 0  # blocks it asked for past max_blocks (counted, not pinned)
+        self.held = 0  # blocks pinned by its loads, reserved by its stores, read into bounce slots
+        self.refused = 0  # blocks it asked for past max_blocks (counted, not held)
         self.connections = 0
         self.lock = threading.Lock()
         self.released = False
 
     # -- bounds --------------------------------------------------------------------------------
-    def room(self, n: int) -> int:
-        """How many of ``n`` more blocks it may hold now (the rest are refused, counted)."""
+    def take(self, n: int) -> int:
+        """Hold up to ``n`` more blocks, as many as its share allows; the rest are refused, counted."""
         with self.lock:
-            if len(self.loads) + len(self.stores) >= MAX_HANDLES:
-                return 0
-            return max(0, min(n, self.max_blocks - self.held))
+            if self.released or len(self.loads) + len(self.stores) >= MAX_HANDLES:
+                got = 0
+            else:
+                got = max(0, min(n, self.max_blocks - self.held))
+            self.held += got
+            self.refused += n - got
+            return got
 
-    def _hold(self, n: int) -> None:
+    def _give(self, n: int) -> None:
         with self.lock:
-            self.held += n
+            self.held -= n
+
+    def _check_id(self, hid) -> None:
+        """Under the lock: a fresh handle id, or ValueError."""
+        if type(hid) is not int or not 0 < hid < 1 << 63:
+            raise ValueError(f"a handle id is an integer in (0, 2**63), got {hid!r}")
+        if hid in self.loads or hid in self.stores:
+            raise ValueError(f"handle {hid} is in use")
 
     # -- loads ---------------------------------------------------------------------------------
-    def pin(self, keys: list[bytes], session: str | None, ttl: float | None) -> tuple[int, LoadHandle]:
-        cap = self.room(len(keys))
-        if cap < len(keys):
-            with self.lock:
-                self.refused += len(keys) - cap
-        h = self.store.pin_load(keys[:cap], session=session, ttl_s=ttl)
-        self._hold(len(h.keys))
-        hid = new_id()
+    def pin(self, hid: int, keys: list[bytes], session: str | None, ttl: float | None) -> LoadHandle:
         with self.lock:
-            self.loads[hid] = h
-        return hid, h
+            self._check_id(hid)
+        cap = self.take(len(keys))
+        try:
+            h = self.store.pin_load(keys[:cap], session=session, ttl_s=ttl)
+        except BaseException:
+            self._give(cap)
+            raise
+        self._give(cap - len(h.keys))  # the store may pin fewer (a shorter stored prefix)
+        with self.lock:  # the engine went meanwhile, or the same id came twice at once: ended now
+            refused = self.released or hid in self.loads or hid in self.stores
+            if not refused:
+                self.loads[hid] = _Load(h)
+        if refused:
+            self._end_load(_Load(h))
+            raise LookupError(f"load {hid}: this engine was released, or the id is in use")
+        return h
 
     def read(self, hid: int) -> tuple[int, list[int]]:
         """Read a pinned load's lower-tier blocks into slab slots: (the leading blocks now in
-        slots, their slots). A block the store promotes into DRAM lands in its new slot; one it
-        cannot (DRAM full, its victims still being written down) lands in a slot taken from the
-        pool for this load alone (a bounce slot, freed at its end), never in memory the engine
-        cannot see. Past the first block with neither, the load ends."""
+        slots, their slots). A block the store promotes lands in its new DRAM slot, another in a
+        bounce slot (:class:`_Bounce`, freed at the load's end). Past the first block in neither,
+        the load ends."""
         with self.lock:
-            h = self.loads.get(hid)
-        if h is None:
+            load = self.loads.get(hid)
+        if load is None:
             raise LookupError(f"unknown load handle {hid}")
-        pool = self.store.dram.pool
-        outs: list = []  # outs[i]: where unread block i goes unless promoted (None: in DRAM, never read)
-        bounce = self.bounce.setdefault(hid, [])
-        for i in range(h.num_blocks):
-            if i in h.unread:
-                slot = pool.alloc()
-                if slot is None:
-                    break  # this block and the rest: into the store's private buffers, cut below
-                bounce.append(slot)
-                outs.append(pool.view(slot))
-            else:
-                outs.append(None)
-        n = self.store.read_load(h, outs=outs)
-        by_view = {pool.view(s).ctypes.data: s for s in bounce}
-        slots = []
-        for i in range(n):
-            e, v = h.entries[i], h.views[i]
-            slots.append(int(e.slot) if e is not None else by_view.get(v.ctypes.data, -1) if v is not None else -1)
-        n = next((i for i, s in enumerate(slots) if s < 0), n)
-        used = set(slots[:n])
-        keep = [s for s in bounce if s in used]
-        for s in bounce:
-            if s not in used:  # promoted after all, or past the end: back at once
+        if not load.lock.acquire(blocking=False):
+            raise ValueError(f"load {hid} is being read or ended on another connection")
+        try:
+            h, pool = load.h, self.store.dram.pool
+            n = self.store.read_load(h, outs=_Bounce(self, load, h.num_blocks))
+            by_view = {pool.view(s).ctypes.data: s for s in load.bounce}
+            slots = []
+            for i in range(n):
+                e, v = h.entries[i], h.views[i]
+                slots.append(int(e.slot) if e is not None else by_view.get(v.ctypes.data, -1) if v is not None else -1)
+            n = next((i for i, s in enumerate(slots) if s < 0), n)
+            used = set(slots[:n])
+            for s in [s for s in load.bounce if s not in used]:  # past the end: back at once
+                load.bounce.remove(s)
                 pool.free(s)
-        self.bounce[hid] = keep
-        return n, slots[:n]
+                self._give(1)
+            return n, slots[:n]
+        finally:
+            load.lock.release()
 
     def end_load(self, hid: int) -> None:
         with self.lock:
-            h = self.loads.pop(hid, None)
-        if h is None:
+            load = self.loads.pop(hid, None)
+        if load is None:
             raise LookupError(f"unknown load handle {hid}")
-        self._end_load(hid, h)
+        self._end_load(load)
 
-    def _end_load(self, hid: int, h: LoadHandle) -> None:
-        try:
-            self.store.end_load(h)
-        finally:
-            for s in self.bounce.pop(hid, ()):
-                self.store.dram.pool.free(s)
-            self._hold(-len(h.keys))
+    def _end_load(self, load: _Load) -> None:
+        with load.lock:  # a read on another connection ends first
+            try:
+                self.store.end_load(load.h)
+            finally:
+                pool = self.store.dram.pool
+                for s in load.bounce:
+                    pool.free(s)
+                self._give(len(load.h.keys) + len(load.bounce))
+                load.bounce = []
 
     # -- stores --------------------------------------------------------------------------------
-    def begin_store(self, keys: list[bytes], ttl: float | None) -> tuple[int, StoreHandle]:
-        cap = self.room(len(keys))
-        if cap < len(keys):
-            with self.lock:
-                self.refused += len(keys) - cap
-        h = self.store.begin_store(keys[:cap], ttl_s=ttl)
-        self._hold(len(h.keys))
-        sid = new_id()
+    def begin_store(self, sid: int, keys: list[bytes], ttl: float | None) -> StoreHandle:
         with self.lock:
-            self.stores[sid] = h
-        return sid, h
+            self._check_id(sid)
+        cap = self.take(len(keys))
+        try:
+            h = self.store.begin_store(keys[:cap], ttl_s=ttl)
+        except BaseException:
+            self._give(cap)
+            raise
+        with self.lock:
+            refused = self.released or sid in self.loads or sid in self.stores
+            if not refused:
+                self.stores[sid] = h
+        if refused:
+            self._abort(h)
+            raise LookupError(f"store {sid}: this engine was released, or the id is in use")
+        return h
 
     def end_store(self, sid: int, oks: list[bool]) -> int:
+        """Publish the blocks ``oks`` says were written (missing entries: not written)."""
+        if not isinstance(oks, list) or not all(type(o) is bool for o in oks):
+            raise ValueError("end_store: oks is a list of booleans")
         with self.lock:
             h = self.stores.pop(sid, None)
         if h is None:
             raise LookupError(f"unknown store handle {sid}")
         try:
-            return self.store.end_store(h, [bool(o) for o in oks[: len(h.keys)]] + [False] * (len(h.keys) - len(oks)))
+            return self.store.end_store(h, oks[: len(h.keys)] + [False] * (len(h.keys) - len(oks)))
         finally:
-            self._hold(-len(h.keys))
+            self._give(len(h.keys))
+
+    def _abort(self, h: StoreHandle) -> None:
+        try:
+            self.store.end_store(h, False)
+        except Exception as e:  # noqa: BLE001 - the store closed meanwhile
+            log.debug("kvstore node: aborting a store of %s: %s", self.name, e)
+        finally:
+            self._give(len(h.keys))
 
     # -- prefetches (first design: the scheduler asks again until the promotion is done) ---------
     def prefetch(self, keys: list[bytes]) -> int:
@@ -178,19 +241,14 @@ class Attachment:
         A store it reserved and did not end is never published: its slots are freed unread."""
         with self.lock:
             self.released = True
-            loads, self.loads = list(self.loads.items()), {}
+            loads, self.loads = list(self.loads.values()), {}
             stores, self.stores = list(self.stores.values()), {}
             self.prefetches.clear()
-        for hid, h in loads:
+        for load in loads:
             try:
-                self._end_load(hid, h)
+                self._end_load(load)
             except Exception as e:  # noqa: BLE001 - the store closed meanwhile
                 log.debug("kvstore node: releasing a load of %s: %s", self.name, e)
         for h in stores:
-            try:
-                self.store.end_store(h, False)
-            except Exception as e:  # noqa: BLE001
-                log.debug("kvstore node: aborting a store of %s: %s", self.name, e)
-            finally:
-                self._hold(-len(h.keys))
+            self._abort(h)
         return len(loads), len(stores)

@@ -6,15 +6,25 @@ reads, reservations and their ends: what :class:`~kvstore.offload.client.LocalCl
 daemon's socket; the bytes move between the engine's KV cache and the daemon's DRAM slab, which
 this process maps (:class:`~kvstore.node.slab.SharedSlab`), never through the socket.
 
-Each calling thread keeps a connection of its own (the scheduler's lookups never wait behind the
-load thread's NVMe read), all joined to one attachment in the daemon, which owns this engine's
-handles. Every call ends within ``node.timeout_ms``. A failure (the daemon dead, stuck or
-restarting) closes every connection, which makes the daemon release what this engine held, and
-starts a backoff (0.5 s doubling to 30 s) during which calls fail at once without touching the
-socket: lookups raise :class:`NodeUnavailable` (the planner's miss, reason ``store_error``),
-stores are skipped (``kvstore_tier_skipped_blocks_total{reason="node_down"}``), reads of handles
-from before the failure read nothing. One warning when the daemon is lost, one line when it is
-back: the next call attaches again, to a new slab, and handles of the old one are refused.
+**Connections.** The attachment is anchored by a connection that makes no call: the daemon ends
+this engine's pins and reservations only when the anchor closes, and the anchor is closed only
+when the engine closes or the daemon is gone (the anchor hung up, or a join says the daemon does
+not know this engine: it restarted). Slots this engine holds are therefore never handed to
+another engine while it may still write or read them. Each calling thread keeps a connection of
+its own, joined to the attachment (the scheduler's lookups never wait behind the load thread's
+NVMe read); one of a thread that ended is closed when the next is made.
+
+**Failures.** Every call ends within ``node.timeout_ms``. A call that fails (no answer in time, a
+closed connection) closes its own connection and starts a backoff (0.5 s doubling to 30 s) during
+which calls fail at once, without the socket: lookups raise :class:`NodeUnavailable` (the
+planner's miss, reason ``store_error``), stores are skipped
+(``kvstore_tier_skipped_blocks_total{reason="node_down"}``), reads read nothing. Handle ids are
+chosen here, so a pin or a reservation whose answer never came, or whose end could not be sent,
+is ended later: its end waits in a queue sent on the next working connection (none is left held
+in the daemon by a timeout). A daemon that is gone is said once, and its return once: the next
+call attaches again to its new slab; handles of the old one read nothing, and a load copied out
+of it is failed (``end_load`` answers False), never served. The old slab stays mapped until its
+last handle ends (a copy in flight never meets an unmapped or unregistered buffer).
 """
 
 from __future__ import annotations
@@ -22,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import select
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -34,6 +46,7 @@ import numpy as np
 from kvstore.config import StoreConfig
 from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
+from kvstore.node.attachment import new_id
 from kvstore.node.daemon import socket_name
 from kvstore.node.slab import SharedSlab
 from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
@@ -44,10 +57,16 @@ from kvstore.store.metrics import StoreMetrics
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.5, 30.0)
+MAX_PENDING = 1 << 16  # ends of handles waiting for a working connection (one per handle at most)
 
 
 class NodeUnavailable(ConnectionError):
-    """The node daemon did not answer (or is in backoff): a miss, never an engine error."""
+    """The node daemon did not answer (or is in backoff): a miss, never an engine error.
+    ``sent``: the request may have reached the daemon (so what it made must be ended)."""
+
+    def __init__(self, msg: str, sent: bool = False):
+        super().__init__(msg)
+        self.sent = sent
 
 
 @dataclass
@@ -80,6 +99,29 @@ class NodeReservation:
 class _Link:
     def __init__(self, sock, gen: int):
         self.sock, self.gen = sock, gen
+        self.thread = weakref.ref(threading.current_thread())  # closed once its thread is gone
+
+
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)
+
+
+def _alive(sock) -> bool:
+    """The daemon has not closed this silent connection: no hang-up, no end of stream."""
+    if sock is None:
+        return False
+    try:
+        p = select.poll()
+        p.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR | _RDHUP)
+        for _fd, ev in p.poll(0):
+            if ev & (select.POLLHUP | select.POLLERR | _RDHUP):
+                return False
+            if ev & select.POLLIN:
+                return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 class NodeStore:
@@ -98,28 +140,31 @@ class NodeStore:
         self.path = f"{config.node.name}.sock in this user's socket folder"
         self._clock = clock
         self._tls = threading.local()
-        self._lock = threading.Lock()  # the attachment: token, slab, generation, links
+        self._lock = threading.Lock()  # the attachment: anchor, token, slab, generation, links, queue
         self._links: list[_Link] = []
-        self._anchor = None  # the attachment's own connection (see _attach)
+        self._anchor = None
         self._token: bytes | None = None
         self._slab: SharedSlab | None = None
         self._gen = 0
+        self._open: dict[int, int] = {}  # generation -> its handles not yet ended
+        self._retired: dict[int, SharedSlab] = {}  # slabs of lost daemons, until their last handle ends
+        self._pending: list[tuple[int, list]] = []  # (generation, a handle's end) to send when we can
         self._delay = 0.0
         self._down_until = float("-inf")
         self._lost = False  # the daemon was lost and not yet found again (one warning, one line)
+        self._prefetch_lock = threading.Lock()
         self._prefetch: ThreadPoolExecutor | None = None
         self._closed = False
-        self.counts = {"attached": 0, "failures": 0, "stale_handles": 0}
+        self.counts = {"attached": 0, "failures": 0, "stale_handles": 0, "pending_dropped": 0}
         try:
             self._call("ping")
-        except NodeUnavailable as e:
-            log.warning("kvstore node: no daemon answers at %s yet (%s); this engine computes everything until one "
-                        "does (start it with `kvstore serve --config ...`)", self.path, e)
+        except NodeUnavailable:  # said once by _failed; the engine computes until a daemon answers
+            pass
 
     def __repr__(self) -> str:
         return f"<NodeStore {self.path} gen={self._gen}>"
 
-    # -- the connection ----------------------------------------------------------------------------
+    # -- connections (under the lock) -----------------------------------------------------------------
     def _connect(self):
         fd, folder = open_folder()
         sock = None
@@ -146,9 +191,7 @@ class NodeStore:
         return res
 
     def _attach(self) -> None:
-        """Under the lock: a new attachment, anchored by a connection that makes no calls (so a
-        call that times out never closes it: the daemon releases this engine's pins only when
-        the engine closes, dies, or loses the daemon), the daemon's memfd mapped, a new generation."""
+        """A new attachment: its anchor, the daemon's memfd mapped, a new generation."""
         sock = self._connect()
         try:
             fp = dataclasses.asdict(self.fingerprint)
@@ -161,15 +204,63 @@ class NodeStore:
         except BaseException:
             sock.close()
             raise
-        old, self._slab = self._slab, slab
-        if old is not None:
-            old.close()
-        self._anchor = sock
+        self._slab, self._anchor = slab, sock
         self._token, self._gen = bytes(res["token"]), self._gen + 1
         self.counts["attached"] += 1
         if self._lost:
             log.warning("kvstore node: attached again to the daemon at %s (pid %s)", self.path, res.get("pid"))
             self._lost = False
+
+    def _detach(self) -> None:
+        """Every connection closed, the anchor last; the slab retired until its handles end."""
+        for link in self._links:
+            if link.sock is not None:
+                link.sock.close()
+                link.sock = None
+        self._links.clear()
+        if self._anchor is not None:
+            self._anchor.close()
+        self._anchor, self._token = None, None
+        if self._slab is not None:
+            self._retired[self._gen] = self._slab
+            self._slab = None
+            self._retire(self._gen)
+        self._pending = [p for p in self._pending if p[0] == self._gen + 1]  # the old daemon's ends: moot
+        self._gen += 1
+
+    def _retire(self, gen: int) -> None:
+        if not self._open.get(gen) and gen in self._retired:
+            self._retired.pop(gen).close()
+            self._open.pop(gen, None)
+
+    def _backoff(self) -> None:
+        self._delay = BACKOFF_S[0] if self._delay == 0 else min(self._delay * 2, BACKOFF_S[1])
+        self._down_until = self._clock() + self._delay
+        self.counts["failures"] += 1
+
+    def _failed(self, e: BaseException) -> None:
+        """A call or a join failed: back off; if the daemon is gone (its anchor hung up), detach."""
+        self._backoff()
+        if _alive(self._anchor):
+            return  # slow, stuck, or refusing one more connection: this engine keeps what it holds
+        gone = self._anchor is not None or self._token is None
+        self._detach()
+        if gone and not self._lost:
+            self._lost = True
+            log.warning("kvstore node: no daemon answers at %s (%s: %s); this engine computes what it would "
+                        "have loaded, and attaches when one answers (backoff from %.1f s; start it with `kvstore "
+                        "serve --config ...`)", self.path, type(e).__name__, e, self._delay)
+
+    def _prune(self) -> None:
+        keep = []
+        for link in self._links:
+            t = link.thread()
+            if link.sock is not None and t is not None and t.is_alive():
+                keep.append(link)
+            elif link.sock is not None:
+                link.sock.close()
+                link.sock = None
+        self._links = keep
 
     def _link(self) -> _Link:
         link = getattr(self._tls, "link", None)
@@ -180,97 +271,90 @@ class NodeStore:
                 raise NodeUnavailable("the store is closed")
             if self._clock() < self._down_until:
                 raise NodeUnavailable("the daemon is unreachable (backoff)")
+            self._prune()
+            sock = None
             try:
                 if self._token is None:
                     self._attach()
                 sock = self._connect()
                 try:
                     self._hello(sock, ["join", self._token])
-                except LookupError:  # the daemon restarted: a new attachment, a new slab
+                except LookupError:  # the daemon restarted: its predecessor, and our pins, are gone
                     sock.close()
-                    self._drop_all()
+                    self._detach()
                     self._attach()
                     sock = self._connect()
                     self._hello(sock, ["join", self._token])
-                except BaseException:
-                    sock.close()
-                    raise
                 link = _Link(sock, self._gen)
-                self._links.append(link)
+                self._flush(link)
             except (OSError, ValueError, RuntimeError, LookupError, SocketTrustError, KeyError, TypeError) as e:
-                self._lose(e)
+                if sock is not None:
+                    sock.close()
+                self._failed(e)
                 raise NodeUnavailable(f"{type(e).__name__}: {e}") from None
+            self._links.append(link)
         self._tls.link = link
         return link
 
-    def _drop_all(self) -> None:
-        """Under the lock: every connection closed, the anchor too (the daemon, if it lives,
-        releases this engine's pins and reservations); every handle made before is refused."""
-        for s in [link.sock for link in self._links] + [self._anchor]:
-            try:
-                if s is not None:
-                    s.close()
-            except OSError:
-                pass
-        for link in self._links:
-            link.sock = None
-        self._links.clear()
-        self._anchor = None
-        self._token = None
-        self._gen += 1
+    def _flush(self, link: _Link) -> None:
+        """Send the queued ends of handles of this generation on a new connection."""
+        todo = [m for g, m in self._pending if g == link.gen]
+        self._pending = [p for p in self._pending if p[0] != link.gen]
+        for m in todo:
+            wire.send(link.sock, m)
 
-    def _backoff(self) -> None:
-        self._delay = BACKOFF_S[0] if self._delay == 0 else min(self._delay * 2, BACKOFF_S[1])
-        self._down_until = self._clock() + self._delay
+    def _queue(self, gen: int, msg: list) -> None:
+        with self._lock:
+            if gen != self._gen:
+                return  # that daemon is gone: it ended everything
+            if len(self._pending) >= MAX_PENDING:
+                self._pending.pop(0)
+                self.counts["pending_dropped"] += 1
+            self._pending.append((gen, msg))
 
-    def _lose(self, e: BaseException) -> None:
-        """Under the lock: the daemon is gone (or refused us): drop everything, back off, and
-        say so once until it is back."""
-        self._drop_all()
-        self.counts["failures"] += 1
-        self._backoff()
-        if not self._lost:
-            self._lost = True
-            log.warning("kvstore node: the daemon at %s failed (%s: %s); this engine computes what it would have "
-                        "loaded, and attaches again when the daemon answers (backoff from %.1f s)", self.path,
-                        type(e).__name__, e, self._delay)
-
-    def _call(self, op: str, *args):
+    def _call(self, op: str, *args) -> tuple:
+        """(the answer, the generation it came from)."""
         link = self._link()
+        sent = False
         try:
+            if link.sock.gettimeout() != self.timeout:  # lowered near a past call's deadline
+                link.sock.settimeout(self.timeout)
             wire.send(link.sock, [op, *args])
+            sent = True
             ok, res = wire.recv(link.sock, time.monotonic() + self.timeout)
-        except (TimeoutError, BlockingIOError):
-            # stuck or slow: this connection's reply may still come, so it goes; the attachment
-            # (its pins) stays with the anchor, and calls back off until the daemon answers again
-            with self._lock:
+        except (OSError, ValueError, AttributeError) as e:  # AttributeError: another thread closed it
+            with self._lock:  # this connection's answer may still come: it goes, the attachment stays
                 if link.sock is not None:
                     link.sock.close()
                     link.sock = None
-                self.counts["failures"] += 1
-                self._backoff()
-            self._tls.link = None
-            raise NodeUnavailable(f"{op}: no answer within {self.timeout:.3f} s") from None
-        except (OSError, ValueError, AttributeError) as e:  # AttributeError: another thread dropped it
-            with self._lock:
                 if link.gen == self._gen:
-                    self._lose(e)
-            raise NodeUnavailable(f"{op}: {type(e).__name__}: {e}") from None
+                    self._failed(e)
+            self._tls.link = None
+            what = f"no answer within {self.timeout:.3f} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            raise NodeUnavailable(f"{op}: {what}", sent=sent or isinstance(e, TimeoutError)) from None
         self._delay = 0.0  # answered: the next failure backs off from the start
         if not ok:
             raise RuntimeError(f"kvstore node {op}: {res}")
-        return res
+        return res, link.gen
 
-    def _cast(self, op: str, *args) -> None:
-        """A call whose answer is not waited for (``daemon.CASTS``)."""
-        link = self._link()
+    def _end(self, gen: int, msg: list) -> None:
+        """Send a handle's end, not waited for (``daemon.CASTS``); queued when it cannot go now."""
         try:
-            wire.send(link.sock, [op, *args])
-        except (OSError, ValueError, AttributeError) as e:
-            with self._lock:
-                if link.gen == self._gen:
-                    self._lose(e)
-            raise NodeUnavailable(f"{op}: {type(e).__name__}: {e}") from None
+            link = self._link()
+            if link.gen != gen:
+                return  # that daemon is gone: it ended everything
+            wire.send(link.sock, msg)
+        except (NodeUnavailable, OSError, AttributeError):
+            self._queue(gen, msg)
+
+    def _opened(self, gen: int) -> None:
+        with self._lock:
+            self._open[gen] = self._open.get(gen, 0) + 1
+
+    def _ended(self, gen: int) -> None:
+        with self._lock:
+            self._open[gen] = self._open.get(gen, 1) - 1
+            self._retire(gen)
 
     def _stale(self, gen: int) -> bool:
         if gen != self._gen:
@@ -285,17 +369,18 @@ class NodeStore:
     # -- lookups -----------------------------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None,
                         held: int = 0) -> PrefixMatch:
-        n, tiers, reason = self._call("lookup", check_keys(keys), record, num_tokens, held)
+        (n, tiers, reason), _ = self._call("lookup", check_keys(keys), record, num_tokens, held)
         return PrefixMatch(int(n), tuple(tiers), reason)
 
     def prefetch(self, keys: Sequence[bytes]) -> Future:
         keys = check_keys(keys)
-        if self._prefetch is None:
-            self._prefetch = ThreadPoolExecutor(1, "kvstore-node-prefetch")
+        with self._prefetch_lock:
+            if self._prefetch is None:
+                self._prefetch = ThreadPoolExecutor(1, "kvstore-node-prefetch")
 
         def job() -> int:
-            token = self._call("prefetch", keys)
-            while not self._call("prefetch_done", token):
+            token, _ = self._call("prefetch", keys)
+            while not self._call("prefetch_done", token)[0]:
                 pass
             return 0
 
@@ -303,10 +388,16 @@ class NodeStore:
 
     # -- loads -------------------------------------------------------------------------------------
     def pin_load(self, keys: Sequence[bytes], *, session: str | None = None, ttl_s: float | None = None) -> NodeLoad:
-        keys = check_keys(keys)
-        gen = self._gen
-        hid, n, tier_of, slots = self._call("pin", keys, session, check_ttl(ttl_s))
-        views = self._views(slots) if self._gen == gen else [None] * len(slots)
+        keys, hid, gen = check_keys(keys), new_id(), self._gen
+        try:
+            (n, tier_of, slots), gen = self._call("pin", hid, keys, session, check_ttl(ttl_s))
+        except NodeUnavailable as e:
+            if e.sent:  # it may be pinned there: ended once a connection works
+                self._queue(gen, ["end_load!", hid])
+            raise
+        self._opened(gen)
+        with self._lock:
+            views = self._views(slots) if self._gen == gen and self._slab is not None else [None] * len(slots)
         h = NodeLoad(keys[:n], int(n), views, list(tier_of), hid, gen)
         h.read = all(v is not None for v in views)  # every block is in a slot already: nothing to read
         return h
@@ -316,64 +407,74 @@ class NodeStore:
         the leading blocks now in slots. A daemon lost since the pin: nothing."""
         if h.done:
             raise RuntimeError("read_load after end_load")
-        if self._stale(h.gen):  # its pins went with the daemon (or this engine's attachment)
+        if self._stale(h.gen):  # its pins went with the daemon
             h.read, h.num_blocks, h.views, h.tier_of = True, 0, [], []
             return 0
         if h.read:
             return h.num_blocks
         h.read = True
         try:
-            n, slots = self._call("read", h.hid)
+            (n, slots), gen = self._call("read", h.hid)
         except (NodeUnavailable, RuntimeError) as e:
             log.debug("kvstore node: read failed: %s", e)
-            n, slots = 0, []
+            n, slots, gen = 0, [], h.gen
         n = min(int(n), h.num_blocks)
-        views = self._views(slots[:n]) if not self._stale(h.gen) else []
+        with self._lock:
+            views = self._views(slots[:n]) if gen == h.gen == self._gen and self._slab is not None else []
         h.num_blocks, h.views, h.tier_of = len(views), views, h.tier_of[:len(views)]
         return h.num_blocks
 
     def end_load(self, h: NodeLoad) -> bool:
-        """Unpin; False if the pins may have gone while the engine copied (the attachment was
-        lost since the pin: another engine may have written those slots), so the caller fails
-        the load instead of serving what it copied."""
+        """Unpin; False if the pins may have gone while the engine copied (the daemon was lost since
+        the pin: what was copied is not served, the caller fails the load)."""
         if h.done:
             raise RuntimeError("end_load called twice for one handle")
         h.done = True
-        if self._stale(h.gen):
-            return False
-        # not waited for (the daemon answers nothing): while this engine's attachment lives, its
-        # pins held, whatever the daemon does with the message; and a lost attachment shows here
         try:
-            self._cast("end_load!", h.hid)
-        except NodeUnavailable as e:  # unpinned with the attachment's end
-            log.debug("kvstore node: end_load failed: %s", e)
-        return not self._stale(h.gen)
+            if self._stale(h.gen):
+                return False
+            self._end(h.gen, ["end_load!", h.hid])  # not waited for: the attachment keeps the pins meanwhile
+            return not self._stale(h.gen)
+        finally:
+            self._ended(h.gen)
 
     # -- stores ------------------------------------------------------------------------------------
     def begin_store(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> NodeReservation:
-        keys = check_keys(keys)
-        gen = self._gen
+        keys, sid, gen = check_keys(keys), new_id(), self._gen
         try:
-            sid, slots = self._call("begin_store", keys, check_ttl(ttl_s))
-        except NodeUnavailable:
+            slots, gen = self._call("begin_store", sid, keys, check_ttl(ttl_s))
+        except (NodeUnavailable, RuntimeError) as e:
+            if getattr(e, "sent", False):  # it may be reserved there: aborted once a connection works
+                self._queue(gen, ["end_store!", sid, []])
             self.metrics.skipped.labels("dram", "node_down").inc(len(keys))
             return NodeReservation(keys, [None] * len(keys), 0, gen)
-        if self._gen != gen:  # lost meanwhile: the slots are another slab's
-            return NodeReservation(keys, [None] * len(keys), 0, gen)
-        return NodeReservation(keys, self._views(slots) + [None] * (len(keys) - len(slots)), sid, gen)
+        self._opened(gen)
+        with self._lock:
+            views = self._views(slots) if self._gen == gen and self._slab is not None else [None] * len(slots)
+        return NodeReservation(keys, views + [None] * (len(keys) - len(views)), sid, gen)
 
     def end_store(self, h: NodeReservation, ok: bool | Sequence[bool] = True) -> int:
+        """Publish what was written (``ok`` may be per key); the blocks stored. Never waits past
+        the timeout: an end that is not answered is queued as an abort (if the publish reached the
+        daemon first it stands, the abort finds nothing)."""
         if h.done:
             raise RuntimeError("end_store called twice for one handle")
         h.done = True
-        if not h.sid or self._stale(h.gen):
+        if not h.sid:
             return 0
-        oks = [bool(ok)] * len(h.keys) if isinstance(ok, (bool, np.bool_)) else [bool(o) for o in ok]
         try:
-            return int(self._call("end_store", h.sid, oks))
-        except (NodeUnavailable, RuntimeError) as e:  # never published: the daemon aborts it with the connection
-            log.debug("kvstore node: end_store failed: %s", e)
-            return 0
+            if self._stale(h.gen):
+                return 0
+            oks = [bool(ok)] * len(h.keys) if isinstance(ok, (bool, np.bool_)) else [bool(o) for o in ok]
+            try:
+                n, _ = self._call("end_store", h.sid, oks)
+                return int(n)
+            except (NodeUnavailable, RuntimeError) as e:
+                log.debug("kvstore node: end_store failed: %s", e)
+                self._queue(h.gen, ["end_store!", h.sid, []])
+                return 0
+        finally:
+            self._ended(h.gen)
 
     # -- the rest of a store's face ------------------------------------------------------------------
     def take_events(self) -> list:
@@ -384,7 +485,7 @@ class NodeStore:
 
     def stats(self) -> dict:
         try:
-            return self._call("stats")
+            return self._call("stats")[0]
         except (NodeUnavailable, RuntimeError) as e:
             return {"tiers": {}, "error": str(e)}
 
@@ -400,10 +501,11 @@ class NodeStore:
             if self._closed:
                 return
             self._closed = True
-            self._drop_all()
-            slab, self._slab = self._slab, None
-        if self._prefetch is not None:
-            self._prefetch.shutdown(wait=False, cancel_futures=True)
-        if slab is not None:
+            self._detach()
+            retired, self._retired = list(self._retired.values()), {}
+        with self._prefetch_lock:
+            if self._prefetch is not None:
+                self._prefetch.shutdown(wait=False, cancel_futures=True)
+        for slab in retired:  # the connector closed its mover first: no copy is in flight
             slab.close()
         self.metrics.close()

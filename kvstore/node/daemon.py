@@ -35,6 +35,7 @@ from kvstore.offload.frames import serve_timeouts
 from kvstore.offload.private_server import PrivateServer
 from kvstore.offload.sockdir import open_folder, path_in
 from kvstore.store import KVStore
+from kvstore.store.handles import check_keys, check_ttl
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 # engine's pins; the connections are bounded by node.max_engines instead
 IDLE_S = math.inf
 FRAME_S = 5.0  # the rest of a frame must come this soon after its first byte
-CONNECTIONS_PER_ENGINE = 8  # an engine's scheduler, copy and load threads, with room to spare
+CONNECTIONS_PER_ENGINE = 16  # an engine's anchor, scheduler, copy, load and RPC threads, with room to spare
+MAX_STORES = 8  # models with a store here at once (each a DRAM slab of tiers.dram.capacity_gb)
 PREFETCH_WAIT_S = 0.002  # as LocalClient's: an idle engine asking again must not spin
 
 
@@ -72,6 +74,7 @@ class NodeDaemon:
         self.stores: dict[tuple, KVStore] = {}
         self.engines: dict[bytes, Attachment] = {}
         self.lock = threading.Lock()
+        self._making = threading.Lock()  # one store made at a time, outside self.lock
         self.refused = {"uid": 0, "full": 0, "attach": 0}
         self._dir, folder = open_folder()
         self._name = socket_name(config.node.name)
@@ -119,35 +122,42 @@ class NodeDaemon:
 
     # -- engines ---------------------------------------------------------------------------------
     def store_for(self, fp: ModelFingerprint, block_bytes: int, block_tokens: int) -> KVStore:
-        """The store of a model, made at its first engine's attach."""
+        """The store of a model, made at its first engine's attach: outside the daemon's lock (a
+        store's start-up scans its NVMe folder; the engines' joins and ends must not wait for it),
+        one at a time."""
         k = (root_of(fp), int(block_bytes), int(block_tokens))
-        with self.lock:
-            s = self.stores.get(k)
-            if s is None:
-                s = KVStore(self.config, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
-                            shared_dram=True)
-                if s.dram is None:
-                    s.close(persist=False)
-                    raise ConfigError("tiers.dram.capacity_gb", self.config.tiers.dram.capacity_gb,
-                                      f"room for at least one block of {block_bytes} bytes")
+        with self._making:
+            with self.lock:
+                s = self.stores.get(k)
+                if s is not None:
+                    return s
+                if len(self.stores) >= MAX_STORES:
+                    raise ValueError(f"{MAX_STORES} models have stores here already (each a DRAM slab of "
+                                     f"tiers.dram.capacity_gb); stop this daemon to free them")
+            s = KVStore(self.config, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
+                        shared_dram=True)
+            if s.dram is None:
+                s.close(persist=False)
+                raise ConfigError("tiers.dram.capacity_gb", self.config.tiers.dram.capacity_gb,
+                                  f"room for at least one block of {block_bytes} bytes")
+            with self.lock:
                 self.stores[k] = s
-                log.info("kvstore serve: a store for %s (%d bytes a block, %d tokens)", fp.model, block_bytes,
-                         block_tokens)
-            return s
+        log.info("kvstore serve: a store for %s (%d bytes a block, %d tokens)", fp.model, block_bytes, block_tokens)
+        return s
 
     def attach(self, fp_fields: Any, root: bytes, block_bytes: int, block_tokens: int, name: str) -> Attachment:
         fp = fingerprint_of(fp_fields)
-        if root_of(fp) != bytes(root):
+        if not isinstance(root, bytes) or root_of(fp) != root:
             raise ValueError("attach: the fingerprint does not hash to the engine's key root (another kvstore "
                              "version?): its keys would not be ours")
-        if not (0 < int(block_bytes) <= 1 << 30 and 0 < int(block_tokens) <= 1 << 20):
-            raise ValueError(f"attach: block of {block_bytes} bytes, {block_tokens} tokens")
-        with self.lock:
-            if len(self.engines) >= self.config.node.max_engines:
-                raise ValueError(f"{self.config.node.max_engines} engines are attached already (node.max_engines)")
+        if not (type(block_bytes) is int and type(block_tokens) is int and 0 < block_bytes <= 1 << 30
+                and 0 < block_tokens <= 1 << 20):
+            raise ValueError(f"attach: block of {block_bytes!r} bytes, {block_tokens!r} tokens")
         store = self.store_for(fp, block_bytes, block_tokens)
         a = Attachment(store, str(name)[:256], int(store.dram.pool.n_slots * self.config.node.engine_share))
         with self.lock:
+            if len(self.engines) >= self.config.node.max_engines:
+                raise ValueError(f"{self.config.node.max_engines} engines are attached already (node.max_engines)")
             a.connections = 1  # this one: its close releases the engine
             self.engines[a.token] = a
         log.info("kvstore serve: engine %s attached (%d engines)", a.name, len(self.engines))
@@ -156,9 +166,11 @@ class NodeDaemon:
     def join(self, token: bytes) -> Attachment:
         """Another connection of an attached engine (counted: its close may release the engine)."""
         with self.lock:  # with the count, so a join never revives an engine its last close released
-            a = self.engines.get(bytes(token))
+            a = self.engines.get(token) if isinstance(token, bytes) else None
             if a is None:
                 raise LookupError("unknown engine token (this daemon restarted?): attach again")
+            if a.connections >= CONNECTIONS_PER_ENGINE:
+                raise ValueError(f"engine {a.name} has {CONNECTIONS_PER_ENGINE} connections open already")
             a.connections += 1
         return a
 
@@ -204,37 +216,67 @@ class NodeDaemon:
 
 # calls answered with nothing (the engine does not wait for them; the stream keeps their order):
 # the end of a load, on the engine's forward path (one round trip less per hit: 0.1-0.3 ms here)
-CASTS = {"end_load!": "end_load"}
+CASTS = {"end_load!": "end_load", "end_store!": "end_store"}
 
 
 def _slot(e) -> int:
     return -1 if e is None else int(e.slot)
 
 
+MAX_KEYS = 1 << 16  # blocks a call may name (a 1M-token prompt of 16-token blocks)
+
+
+def _keys(v) -> list[bytes]:
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        raise ValueError(f"keys: a list of at most {MAX_KEYS} block keys")
+    return check_keys(v)
+
+
+def _session(v) -> str | None:
+    if v is None or (isinstance(v, str) and 0 < len(v) <= 256):
+        return v
+    raise ValueError("session: a string of 1 to 256 characters, or null")
+
+
+def _int(v, lo: int = 0) -> int:
+    if type(v) is not int or v < lo:
+        raise ValueError(f"an integer >= {lo}, got {type(v).__name__}")
+    return v
+
+
+def _args(msg: list, n: int) -> list:
+    if len(msg) != n + 1:
+        raise ValueError(f"{msg[0]}: {n} arguments, got {len(msg) - 1}")
+    return msg[1:]
+
+
 def _serve(a: Attachment, msg: list) -> Any:
+    """One call of an attached engine, its arguments checked first (a same-uid client may send anything)."""
     op = msg[0]
     if op == "lookup":
-        _, keys, record, num_tokens, held = msg
-        m = a.store.contains_prefix(keys, record=bool(record), num_tokens=num_tokens, held=int(held))
+        keys, record, num_tokens, held = _args(msg, 4)
+        m = a.store.contains_prefix(_keys(keys), record=record is True,
+                                    num_tokens=None if num_tokens is None else _int(num_tokens), held=_int(held))
         return [m.num_blocks, list(m.tiers), m.miss_reason]
     if op == "pin":
-        _, keys, session, ttl = msg
-        hid, h = a.pin(keys, session, ttl)
-        return [hid, h.num_blocks, list(h.tier_of), [_slot(e) for e in h.entries]]
+        hid, keys, session, ttl = _args(msg, 4)
+        h = a.pin(hid, _keys(keys), _session(session), check_ttl(ttl))
+        return [h.num_blocks, list(h.tier_of), [_slot(e) for e in h.entries]]
     if op == "read":
-        return list(a.read(msg[1]))
+        return list(a.read(_args(msg, 1)[0]))
     if op == "end_load":
-        return a.end_load(msg[1])
+        return a.end_load(_args(msg, 1)[0])
     if op == "begin_store":
-        _, keys, ttl = msg
-        sid, h = a.begin_store(keys, ttl)
-        return [sid, [_slot(e) for e in h.entries]]
+        sid, keys, ttl = _args(msg, 3)
+        h = a.begin_store(sid, _keys(keys), check_ttl(ttl))
+        return [_slot(e) for e in h.entries]
     if op == "end_store":
-        return a.end_store(msg[1], msg[2])
+        sid, oks = _args(msg, 2)
+        return a.end_store(sid, oks)
     if op == "prefetch":
-        return a.prefetch(msg[1])
+        return a.prefetch(_keys(_args(msg, 1)[0]))
     if op == "prefetch_done":
-        return a.prefetch_done(msg[1], PREFETCH_WAIT_S)
+        return a.prefetch_done(_args(msg, 1)[0], PREFETCH_WAIT_S)
     if op == "stats":
         st, dram = a.store.stats(), a.store.dram
         with dram.lock:

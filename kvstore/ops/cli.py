@@ -269,7 +269,10 @@ def _serve(argv: list[str]) -> int:
     from kvstore.node.daemon import NodeDaemon
 
     logging.getLogger("kvstore").setLevel(logging.INFO)
-    d = NodeDaemon(cfg).start()
+    try:
+        d = NodeDaemon(cfg).start()
+    except RuntimeError as e:  # another daemon serves the name, or the socket folder is refused
+        raise CommandError(str(e), FAILED) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
