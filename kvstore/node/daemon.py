@@ -191,13 +191,7 @@ class NodeDaemon:
         if self._closed:
             return
         self._closed = True
-        self.server.shutdown()
-        self.server.server_close()
-        self.server.drop_all()
-        try:
-            os.unlink(self._name, dir_fd=self._dir)
-        except OSError:
-            pass
+        self.server.stop(self._dir, self._name)
         os.close(self._dir)
         with self.lock:
             engines, self.engines = list(self.engines.values()), {}

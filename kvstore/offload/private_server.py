@@ -64,3 +64,14 @@ class PrivateServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 r.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def stop(self, dir_fd: int, name: str) -> None:
+        """Stop accepting, end every connection, and remove the socket ``name`` from its folder
+        (opened as ``dir_fd``, which the caller closes)."""
+        self.shutdown()
+        self.server_close()
+        self.drop_all()
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass

@@ -191,13 +191,7 @@ class StoreServer:
     def close(self) -> None:
         if self._dir < 0:
             return
-        self.server.shutdown()
-        self.server.server_close()
-        self.server.drop_all()
-        try:
-            os.unlink(self._name, dir_fd=self._dir)
-        except OSError:
-            pass
+        self.server.stop(self._dir, self._name)
         os.close(self._dir)
         self._dir = -1
 
