@@ -13,6 +13,7 @@ A request is ``[op, args...]``; a reply ``[True, result]`` or ``[False, message]
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -57,15 +58,6 @@ def recv_fd(sock: socket.socket) -> int:
     data, fds, _flags, _addr = socket.recv_fds(sock, 1, 4)
     if data != _FD_TAG or len(fds) != 1:
         for fd in fds:
-            os_close(fd)
+            os.close(fd)
         raise ConnectionError("kvstore node: expected one file descriptor from the daemon")
     return fds[0]
-
-
-def os_close(fd: int) -> None:
-    import os
-
-    try:
-        os.close(fd)
-    except OSError:
-        pass
