@@ -38,8 +38,9 @@ def node_config(tmp_path, *, name: str | None = None, dram_blocks: int = 64, nvm
             "mode": "node", "node": {"name": name or f"t-{uuid.uuid4().hex[:12]}", **node}}
 
 
-def engine(cfg: dict, name: str = "e", fp: ModelFingerprint = FP) -> NodeStore:
-    return NodeStore(from_dict(cfg), block_bytes=BB, fingerprint=fp, block_tokens=fp.block_size, name=name)
+def engine(cfg: dict, name: str = "e", fp: ModelFingerprint = FP, events: bool = False) -> NodeStore:
+    return NodeStore(from_dict(cfg), block_bytes=BB, fingerprint=fp, block_tokens=fp.block_size, name=name,
+                     events=events)
 
 
 def store(e: NodeStore, keys, data) -> int:
@@ -500,7 +501,9 @@ def test_connections_of_threads_that_ended_are_closed(daemon):
 
 @pytest.mark.parametrize("msg", [["end_store", 7, "not a list"], ["pin", 5, [], {"a": 1}, None],
                                  ["pin", -1, [], None, None], ["lookup", "x", False, None, 0],
-                                 ["pin", 5, [b"short"], None, None], ["begin_store", 2**70, [], None]])
+                                 ["pin", 5, [b"short"], None, None], ["begin_store", 2**70, [], None, None],
+                                 ["begin_store", 9, [], None, [b"a name of a block that is not there"]],
+                                 ["begin_store", 9, [], None, "not a list"], ["events", 1]])
 def test_a_bad_call_is_refused_before_it_holds_anything(daemon, msg):
     from kvstore.node.daemon import _serve
 
@@ -517,3 +520,84 @@ def test_a_bad_call_is_refused_before_it_holds_anything(daemon, msg):
         assert a.end_store(r, True) == 2
     finally:
         a.close()
+
+
+# -- KV events -------------------------------------------------------------------------------------
+def metas_of(keys, seed: int = 0) -> list:
+    """The engine's names of a chain of blocks (vLLM's block hash, parent, tokens), as the
+    connector gives them to the mover."""
+    from kvstore.store.events import BlockMeta
+
+    hashes = [bytes([seed, i]) * 16 for i in range(len(keys))]
+    return [BlockMeta(h, hashes[i - 1] if i else None, tuple(range(16 * i + seed, 16 * i + seed + 16)))
+            for i, h in enumerate(hashes)]
+
+
+def announced(records) -> dict:
+    """tier -> {block hash: stored?} after applying the records in order."""
+    out: dict = {}
+    for stored, tier, m in records:
+        out.setdefault(tier, {})[m.block_hash] = stored
+    return out
+
+
+def test_each_engine_announces_the_daemons_blocks_it_can_load(daemon):
+    """A router reading engine B's KV-event stream sees what engine A stored in the daemon (B can
+    load it), a new engine's first read is every block held, an eviction out of DRAM is announced
+    removed there and stored on NVMe, and an engine without events is sent nothing."""
+    d, cfg = daemon(dram_blocks=8, engine_share=1.0)
+    a, b, quiet = engine(cfg, "a", events=True), engine(cfg, "b", events=True), engine(cfg, "q")
+    try:
+        assert b.take_events() == [] and quiet.events is None
+        k1, k2 = make_keys(4, seed=1), make_keys(8, seed=2)
+        m1, m2 = metas_of(k1, 1), metas_of(k2, 2)
+        a.events.remember(k1, m1)  # as the mover does, before the reservation
+        assert store(a, k1, blocks_for(k1, BB)) == 4
+        got = b.take_events()
+        assert sorted(got, key=str) == sorted([(True, "dram", m) for m in m1], key=str)  # A's names, tokens and all
+        assert b.take_events() == []  # read once
+        assert announced(a.take_events()) == {"dram": {m.block_hash: True for m in m1}}  # A's own stream too
+        late = engine(cfg, "late", events=True)
+        try:
+            assert announced(late.take_events()) == {"dram": {m.block_hash: True for m in m1}}  # what is held
+        finally:
+            late.close()
+        a.events.remember(k2, m2)
+        assert store(a, k2, blocks_for(k2, BB)) >= 4  # 8 DRAM slots: k1 goes down to NVMe
+        st = next(iter(d.stores.values()))
+        st.flush()
+        seen = announced(b.take_events())
+        # what B announces is what the daemon holds: k1 left DRAM for NVMe, k2 went into DRAM
+        truth = {t: {m.block_hash for k, m in zip(k1 + k2, m1 + m2) if k in set(getattr(st, t).index.keys())}
+                 for t in ("dram", "nvme")}
+        assert {t: {h for h, on in seen[t].items() if on} for t in seen} == truth
+        assert truth["nvme"] == {m.block_hash for m in m1} and not truth["dram"] & truth["nvme"]
+        assert {h for h, on in seen["dram"].items() if not on} == {m.block_hash for m in m1}
+        assert quiet.take_events() == []
+        assert b.contains_prefix(k1, record=False).num_blocks == 4  # B can load what it announces
+        from kvstore.connectors.vllm.events import vllm_events
+
+        media = {e.medium for e in vllm_events(got, from_dict(cfg).events, 16)}
+        assert media == {"CPU"}
+    finally:
+        for e in (a, b, quiet):
+            e.close()
+
+
+def test_a_reader_the_log_ran_past_reads_the_held_blocks_again(daemon, monkeypatch):
+    from kvstore.node import eventlog
+
+    monkeypatch.setattr(eventlog, "MAX_RECORDS", 4)
+    d, cfg = daemon(engine_share=1.0)
+    a, b = engine(cfg, "a", events=True), engine(cfg, "b", events=True)
+    try:
+        assert b.take_events() == []
+        keys = make_keys(8, seed=3)
+        a.events.remember(keys, metas_of(keys, 3))
+        assert store(a, keys, blocks_for(keys, BB)) == 8
+        next(iter(d.logs.values())).drain()  # 8 records into a log of 4: B's place in it is gone
+        assert announced(b.take_events()) == {"dram": {m.block_hash: True for m in metas_of(keys, 3)}}
+        assert next(iter(d.logs.values())).lost == 1
+    finally:
+        a.close()
+        b.close()

@@ -230,3 +230,55 @@ def test_events_of_a_hybrid_model(tmp_path):
     for medium in ("CPU", "STORAGE"):
         ours = {(h, e.group_idx) for e in _ours(ev, "BlockStored", medium) for h in e.block_hashes}
         assert {g for _, g in ours} == {0, 1} and ours <= gpu, (medium, ours - gpu)
+
+
+def test_node_engines_announce_the_blocks_another_stored(tiny_model, tmp_path, monkeypatch):
+    """Node mode (issue 46): engine A stores a prompt in the host's daemon; engine B, a new engine
+    attached to it, announces on its own stream, at its first step and before it computed any of
+    that prompt, A's blocks as CPU blocks under the hashes vLLM gave them on A (both engines with
+    one PYTHONHASHSEED, as a router that reads several engines needs anyway), and then loads them."""
+    from vllm.config import KVEventsConfig
+
+    from node_servers import Served
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # vLLM seeds its block hashes with it
+    name = f"ev-{os.getpid()}-{_free_port()}"
+    served = Served(tmp_path, {"tiers": {"dram": {"capacity_gb": 0.0625, "pin_memory": False},
+                                         "nvme": {"path": str(tmp_path / "nvme"), "capacity_gb": 0.25}},
+                               "mode": "node", "node": {"name": name}})
+
+    def node_engine(port: int) -> Engine:
+        return Engine(tiny_model, block_size=BS, max_len=2048,
+                      kv_transfer=kv_transfer({"mode": "node", "node": {"name": name}}),
+                      kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                      endpoint=f"tcp://*:{port}", topic="kv"))
+
+    p = prompt(5 * BS + 7, 11)
+    try:
+        port = _free_port()
+        a, sub = node_engine(port), Subscriber(port)
+        try:
+            a.generate([p], 4)
+            a.generate([prompt(BS + 1, 12)], 2)  # a step after the store completed
+            ev = sub.settle()
+            h = _gpu_hashes(ev, p)
+            assert set(h) <= set(_blocks(ev, "CPU"))  # A's own stream: the daemon's blocks it can load
+        finally:
+            a.close()
+            sub.close()
+        port = _free_port()
+        b, sub = node_engine(port), Subscriber(port)
+        try:
+            b.generate([prompt(BS + 3, 13)], 2)  # another prompt: B has computed nothing of p
+            ev = sub.settle()
+            assert not set(h) & {x for e in ev if type(e).__name__ == "BlockStored" and e.medium == "GPU"
+                                 for x in e.block_hashes}
+            cpu = _blocks(ev, "CPU")
+            assert [cpu[x] for x in h] == [(h[i - 1] if i else None, p[i * BS:(i + 1) * BS]) for i in range(5)]
+            _, cached = b.generate([p], 4)
+            assert cached == [5 * BS]  # and what it announced, it loads
+        finally:
+            b.close()
+            sub.close()
+    finally:
+        served.stop()

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from kvstore.node.eventlog import EventLog, Reader
 from kvstore.store import KVStore, LoadHandle, StoreHandle
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class _Bounce:
 
 
 class Attachment:
-    def __init__(self, store: KVStore, name: str, max_blocks: int):
+    def __init__(self, store: KVStore, name: str, max_blocks: int, log: EventLog):
         self.store = store
+        self.log = log  # the store's KV events
+        self.reader = Reader()  # this engine's place in them
         self.name = name  # the engine's own name (vLLM's engine id and rank), for logs and stats
         self.token = os.urandom(16)  # what its other connections present to join it
         self.max_blocks = max(1, int(max_blocks))

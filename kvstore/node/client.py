@@ -25,6 +25,11 @@ in the daemon by a timeout). A daemon that is gone is said once, and its return 
 call attaches again to its new slab; handles of the old one read nothing, and a load copied out
 of it is failed (``end_load`` answers False), never served. The old slab stays mapped until its
 last handle ends (a copy in flight never meets an unmapped or unregistered buffer).
+
+**KV events** (``events``: vLLM publishes them). The engine's names of the blocks it stores go
+with their reservation, and :meth:`take_events` reads the daemon's records for this engine
+(:mod:`.eventlog`): on attach every block the daemon holds, then what is stored and removed, by
+any engine. So each engine announces on its own stream the daemon's blocks it can load.
 """
 
 from __future__ import annotations
@@ -48,9 +53,11 @@ from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
 from kvstore.node.attachment import new_id
 from kvstore.node.daemon import socket_name
+from kvstore.node.eventlog import decode
 from kvstore.node.slab import SharedSlab
 from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
 from kvstore.store.cost import Rates
+from kvstore.store.events import BlockMeta
 from kvstore.store.handles import PrefixMatch, check_keys, check_ttl
 from kvstore.store.metrics import StoreMetrics
 
@@ -58,6 +65,29 @@ log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.5, 30.0)
 MAX_PENDING = 1 << 16  # ends of handles waiting for a working connection (one per handle at most)
+
+
+class _Names:
+    """The engine's names of the blocks it is about to store (the mover's ``events.remember``),
+    until their reservation takes them to the daemon; the oldest go past MAX_PENDING."""
+
+    def __init__(self) -> None:
+        self._meta: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, keys: Sequence[bytes], metas: Sequence[BlockMeta | None]) -> None:
+        with self._lock:
+            for k, m in zip(keys, metas):
+                if m is not None:
+                    self._meta.pop(k, None)
+                    self._meta[k] = m.encode()
+            for k in list(self._meta)[:max(0, len(self._meta) - MAX_PENDING)]:
+                del self._meta[k]
+
+    def take(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        with self._lock:
+            out = [self._meta.pop(k, None) for k in keys]
+        return out if any(m is not None for m in out) else None
 
 
 class NodeUnavailable(ConnectionError):
@@ -126,7 +156,7 @@ def _alive(sock) -> bool:
 
 class NodeStore:
     def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint,
-                 block_tokens: int = 1, name: str = "", clock=time.monotonic):
+                 block_tokens: int = 1, name: str = "", events: bool = False, clock=time.monotonic):
         self.config = config
         self.block_bytes = int(block_bytes)
         self.block_tokens = int(block_tokens)
@@ -136,7 +166,7 @@ class NodeStore:
         self.timeout = config.node.timeout_ms / 1000
         self.metrics = StoreMetrics(port=config.metrics.port, host=config.metrics.host)  # this engine's counters
         self.rates = Rates(use=False)  # the daemon's store decides what is worth loading
-        self.events = None  # the daemon's tiers are not announced on this engine's KV-event stream (yet)
+        self.events = _Names() if events else None  # the daemon's blocks on this engine's KV-event stream
         self.path = f"{config.node.name}.sock in this user's socket folder"
         self._clock = clock
         self._tls = threading.local()
@@ -442,7 +472,8 @@ class NodeStore:
     def begin_store(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> NodeReservation:
         keys, sid, gen = check_keys(keys), new_id(), self._gen
         try:
-            slots, gen = self._call("begin_store", sid, keys, check_ttl(ttl_s))
+            metas = self.events.take(keys) if self.events is not None else None
+            slots, gen = self._call("begin_store", sid, keys, check_ttl(ttl_s), metas)
         except (NodeUnavailable, RuntimeError) as e:
             if getattr(e, "sent", False):  # it may be reserved there: aborted once a connection works
                 self._queue(gen, ["end_store!", sid, []])
@@ -478,7 +509,15 @@ class NodeStore:
 
     # -- the rest of a store's face ------------------------------------------------------------------
     def take_events(self) -> list:
-        return []
+        """(stored, tier, BlockMeta) of the daemon's blocks since the last call ([] with events off
+        or without a daemon)."""
+        if self.events is None or self._closed:
+            return []
+        try:
+            return decode(self._call("events")[0])
+        except (NodeUnavailable, RuntimeError) as e:
+            log.debug("kvstore node: events: %s", e)
+            return []
 
     def update_gauges(self) -> None:
         """Nothing to bring up to date here: the daemon's gauges are its own."""

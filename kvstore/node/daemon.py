@@ -31,10 +31,12 @@ from kvstore.config import ConfigError, StoreConfig
 from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
 from kvstore.node.attachment import Attachment
+from kvstore.node.eventlog import DRAIN_S, EventLog
 from kvstore.offload.frames import serve_timeouts
 from kvstore.offload.private_server import PrivateServer
 from kvstore.offload.sockdir import open_folder, path_in
 from kvstore.store import KVStore
+from kvstore.store.events import BlockMeta
 from kvstore.store.handles import check_keys, check_ttl
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class NodeDaemon:
                               "more than 0 for a node daemon: its engines copy to and from its DRAM slab")
         self.config = config
         self.stores: dict[tuple, KVStore] = {}
+        self.logs: dict[int, EventLog] = {}  # id(store) -> its KV-event records, read by its engines
         self.engines: dict[bytes, Attachment] = {}
         self.lock = threading.Lock()
         self._making = threading.Lock()  # one store made at a time, outside self.lock
@@ -93,6 +96,8 @@ class NodeDaemon:
             raise
         self.thread: threading.Thread | None = None
         self._closed = False
+        self._stop = threading.Event()
+        self._drainer: threading.Thread | None = None
 
     def _claim(self, folder: str) -> None:
         """Take the socket's name: a daemon that answers there keeps it (an error), a dead one's
@@ -115,10 +120,24 @@ class NodeDaemon:
     def start(self) -> "NodeDaemon":
         self.thread = threading.Thread(target=self.server.serve_forever, name="kvstore-node", daemon=True)
         self.thread.start()
+        self._drainer = threading.Thread(target=self._drain, name="kvstore-node-events", daemon=True)
+        self._drainer.start()
         log.info("kvstore serve: ready on %s (DRAM %.2f GiB per model, NVMe %s, remote %s)", self.path,
                  self.config.tiers.dram.capacity_gb, self.config.tiers.nvme.path or "a temp folder",
                  "on" if self.config.tiers.remote.enabled else "off")
         return self
+
+    def _drain(self) -> None:
+        """Every store's KV-event journal into its log, whether or not an engine reads it (which
+        runs the stores' TTL sweeps too)."""
+        while not self._stop.wait(DRAIN_S):
+            with self.lock:
+                logs = list(self.logs.values())
+            for lg in logs:
+                try:
+                    lg.drain()
+                except Exception as e:  # noqa: BLE001 - a store closing under it; the next round goes on
+                    log.debug("kvstore serve: draining KV events: %s", e)
 
     # -- engines ---------------------------------------------------------------------------------
     def store_for(self, fp: ModelFingerprint, block_bytes: int, block_tokens: int) -> KVStore:
@@ -135,13 +154,14 @@ class NodeDaemon:
                     raise ValueError(f"{MAX_STORES} models have stores here already (each a DRAM slab of "
                                      f"tiers.dram.capacity_gb); stop this daemon to free them")
             s = KVStore(self.config, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
-                        shared_dram=True)
+                        shared_dram=True, events=True)
             if s.dram is None:
                 s.close(persist=False)
                 raise ConfigError("tiers.dram.capacity_gb", self.config.tiers.dram.capacity_gb,
                                   f"room for at least one block of {block_bytes} bytes")
             with self.lock:
                 self.stores[k] = s
+                self.logs[id(s)] = EventLog(s)
         log.info("kvstore serve: a store for %s (%d bytes a block, %d tokens)", fp.model, block_bytes, block_tokens)
         return s
 
@@ -154,7 +174,8 @@ class NodeDaemon:
                 and 0 < block_tokens <= 1 << 20):
             raise ValueError(f"attach: block of {block_bytes!r} bytes, {block_tokens!r} tokens")
         store = self.store_for(fp, block_bytes, block_tokens)
-        a = Attachment(store, str(name)[:256], int(store.dram.pool.n_slots * self.config.node.engine_share))
+        a = Attachment(store, str(name)[:256], int(store.dram.pool.n_slots * self.config.node.engine_share),
+                       self.logs[id(store)])
         with self.lock:
             if len(self.engines) >= self.config.node.max_engines:
                 raise ValueError(f"{self.config.node.max_engines} engines are attached already (node.max_engines)")
@@ -191,11 +212,15 @@ class NodeDaemon:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self.server.stop(self._dir, self._name)
         os.close(self._dir)
         with self.lock:
             engines, self.engines = list(self.engines.values()), {}
             stores, self.stores = list(self.stores.values()), {}
+            self.logs = {}
+        if self._drainer is not None:
+            self._drainer.join()
         for a in engines:
             a.release()
         for s in stores:
@@ -238,6 +263,19 @@ def _int(v, lo: int = 0) -> int:
     return v
 
 
+MAX_META = 1 << 16  # bytes of one block's engine name (its token ids: 4 bytes each)
+
+
+def _metas(v, n: int) -> list:
+    """The engine's names of the blocks it stores, for the KV events (None: none)."""
+    if v is None:
+        return []
+    if not isinstance(v, list) or len(v) != n or not all(m is None or (isinstance(m, bytes) and len(m) <= MAX_META)
+                                                       for m in v):
+        raise ValueError(f"metas: null, or a list of {n} entries, each null or at most {MAX_META} bytes")
+    return [None if m is None else BlockMeta.decode(m) for m in v]
+
+
 def _args(msg: list, n: int) -> list:
     if len(msg) != n + 1:
         raise ValueError(f"{msg[0]}: {n} arguments, got {len(msg) - 1}")
@@ -261,8 +299,12 @@ def _serve(a: Attachment, msg: list) -> Any:
     if op == "end_load":
         return a.end_load(_args(msg, 1)[0])
     if op == "begin_store":
-        sid, keys, ttl = _args(msg, 3)
-        h = a.begin_store(sid, _keys(keys), check_ttl(ttl))
+        sid, keys, ttl, metas = _args(msg, 4)
+        keys, ttl = _keys(keys), check_ttl(ttl)
+        metas = _metas(metas, len(keys))
+        if metas and a.store.events is not None:
+            a.store.events.remember(keys, metas)
+        h = a.begin_store(sid, keys, ttl)
         return [_slot(e) for e in h.entries]
     if op == "end_store":
         sid, oks = _args(msg, 2)
@@ -271,6 +313,9 @@ def _serve(a: Attachment, msg: list) -> Any:
         return a.prefetch(_keys(_args(msg, 1)[0]))
     if op == "prefetch_done":
         return a.prefetch_done(_args(msg, 1)[0], PREFETCH_WAIT_S)
+    if op == "events":
+        _args(msg, 0)
+        return a.log.read(a.reader)
     if op == "stats":
         st, dram = a.store.stats(), a.store.dram
         with dram.lock:

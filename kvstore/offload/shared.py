@@ -89,22 +89,14 @@ _lock = threading.Lock()
 _shared: dict[tuple, SharedStore] = {}
 
 
-_warned_node_events = False
-
-
 def open_store(name: str, config: StoreConfig, fingerprint: ModelFingerprint, block_bytes: int, block_tokens: int,
                events: bool = False):
     """The engine's store: its own (``mode: embedded``), or the host's node daemon (``mode: node``)."""
-    global _warned_node_events
     if config.mode == "node":
         from kvstore.node.client import NodeStore
 
-        if events and not _warned_node_events:
-            _warned_node_events = True
-            log.warning("kvstore: mode node: the node daemon's blocks are not announced on this engine's KV-event "
-                        "stream yet (its own hits are served)")
         return NodeStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens,
-                         name=name)
+                         name=name, events=events)
     return KVStore(config, block_bytes=block_bytes, fingerprint=fingerprint, block_tokens=block_tokens,
                    events=events)
 

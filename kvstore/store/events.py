@@ -116,6 +116,18 @@ class TierEvents:
                     self.meta[k] = m
                     self._gone[1].append(k)  # not admitted, no room: forgotten two takes later
 
+    def held(self) -> list[tuple[bool, str, BlockMeta]]:
+        """(STORED, tier name, metadata) of every block the announced local tiers hold now (a node
+        daemon's new reader starts from these)."""
+        out = []
+        for t, holder in self.tiers:
+            if holder is t:  # the remote tier: what this store wrote there is in its journal only
+                continue
+            with t.lock:
+                keys = t.index.keys()
+            out.extend((STORED, t.name, m) for k in keys if (m := self.meta.get(k)) is not None)
+        return out
+
     def due(self, now: float) -> bool:
         """Is anything past its TTL in an announced tier (a sweep would remove it)?"""
         return any(t.index.due(now) for t in self.all)
