@@ -503,7 +503,10 @@ def test_connections_of_threads_that_ended_are_closed(daemon):
                                  ["pin", -1, [], None, None], ["lookup", "x", False, None, 0],
                                  ["pin", 5, [b"short"], None, None], ["begin_store", 2**70, [], None, None],
                                  ["begin_store", 9, [], None, [b"a name of a block that is not there"]],
-                                 ["begin_store", 9, [], None, "not a list"], ["events", 1]])
+                                 ["begin_store", 9, [], None, "not a list"], ["events", 1],
+                                 ["report", [["kvstore_engine_requests_total", {"engine": "forged"}, 1]]],
+                                 ["report", [["process_cpu_seconds_total", {}, 1]]],
+                                 ["report", [["kvstore_engine_requests_total", {}, -1]]]])
 def test_a_bad_call_is_refused_before_it_holds_anything(daemon, msg):
     from kvstore.node.daemon import _serve
 
@@ -601,3 +604,43 @@ def test_a_reader_the_log_ran_past_reads_the_held_blocks_again(daemon, monkeypat
     finally:
         a.close()
         b.close()
+
+
+# -- operators -------------------------------------------------------------------------------------
+def test_the_daemon_exports_each_engines_hit_rate_and_the_hosts(tmp_path):
+    """``kvstore stats --url`` on the daemon's port: the host's readout (its tiers, every engine's
+    tokens summed), then one line per engine, from the counters each engine reports; an engine that
+    detached keeps its figures."""
+    from kvstore.bench.ports import free_port
+    from kvstore.offload.metrics import OffloadMetrics, RequestOutcome
+    from kvstore.ops.stats import fetch, render
+
+    port = free_port()
+    cfg = node_config(tmp_path, engine_share=1.0)
+    d = NodeDaemon(from_dict({**cfg, "metrics": {"port": port}})).start()  # the engines export nothing
+    a, b = engine(cfg, "engine-a"), engine(cfg, "engine-b")
+    try:
+        keys = make_keys(4, seed=5)
+        assert store(a, keys, blocks_for(keys, BB)) == 4
+        for e, prompt, local, served in ((a, 100, 20, 40), (b, 200, 0, 150)):
+            m = OffloadMetrics(e.metrics.registry)  # as the connector counts
+            m.record(RequestOutcome(req_id="r", prompt=prompt, local=local, promised=served, got=served, tiers=("dram",)))
+            m.served_tokens.labels("dram").inc(served)
+            e._report(force=True)
+        url = f"http://127.0.0.1:{port}/metrics"
+        give_up = time.monotonic() + 10
+        while (s := fetch(url))["engine"] is None or s["engine"]["prompt_tokens"] < 300:  # the reports are casts
+            assert time.monotonic() < give_up, s
+            time.sleep(0.05)
+        assert s["engine"]["prompt_tokens"] == 300 and s["engine"]["served_tokens"]["dram"] == 190
+        assert abs(s["engine"]["hit_rate"] - 190 / 280) < 1e-9  # the host's: every engine's tokens
+        assert s["tiers"]["dram"]["blocks"] == 4  # the daemon's own store
+        assert {n: e["hit_rate"] for n, e in s["engines"].items()} == {"engine-a": 0.5, "engine-b": 0.75}
+        assert "engine-a" in render(s) and "engines (2" in render(s)
+        a.close()
+        s = fetch(url)
+        assert s["engines"]["engine-a"]["hit_rate"] == 0.5 and s["engine"]["prompt_tokens"] == 300
+    finally:
+        a.close()
+        b.close()
+        d.close(persist=False)

@@ -6,6 +6,8 @@ DRAM holds the prompt once."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -14,6 +16,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
 from conftest import prompt  # noqa: E402
+from kvstore.bench.ports import free_port  # noqa: E402
+from kvstore.ops.stats import fetch  # noqa: E402
 from node_servers import Served  # noqa: E402
 from test_vllm_remote import BS, _drive, _own_prefix_hit  # noqa: E402
 
@@ -21,10 +25,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_an_engine_hits_in_dram_what_another_computed(tiny_model, tmp_path):
-    name = f"v-{uuid.uuid4().hex[:10]}"
+    name, port = f"v-{uuid.uuid4().hex[:10]}", free_port()
     cfg = {"tiers": {"dram": {"capacity_gb": 0.25, "pin_memory": False},
                      "nvme": {"path": str(tmp_path / "nvme"), "capacity_gb": 1}},
-           "mode": "node", "node": {"name": name}}
+           "mode": "node", "node": {"name": name}, "metrics": {"port": port}}
     daemon = Served(tmp_path, cfg)
     try:
         prompts = [prompt(300, 61), prompt(520, 62)]
@@ -43,6 +47,16 @@ def test_an_engine_hits_in_dram_what_another_computed(tiny_model, tmp_path):
         assert b["counters"]["stored_blocks"] == 0  # nothing to store: the host holds it once
         assert b["rounds"][0]["tokens"] == _own_prefix_hit(tiny_model, prompts)
         assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # the engines keep no tier
+        # the operator's view (kvstore stats --url on the daemon): each engine's figures, as it
+        # counted them and reported them to the daemon, and the host's
+        url = f"http://127.0.0.1:{port}/metrics"
+        s = fetch(url)
+        assert sorted(e["served_tokens"]["dram"] for e in s["engines"].values()) == [0, sum(full)]
+        assert s["engine"]["served_tokens"]["dram"] == sum(full)
+        assert s["engine"]["prompt_tokens"] == 2 * sum(len(p) for p in prompts)
+        out = subprocess.run([sys.executable, "-m", "kvstore.ops.cli", "stats", "--url", url], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0 and "engines (2" in out.stdout, out.stdout + out.stderr
     finally:
         out = daemon.stop()
     assert "engine" in out and "detached" in out

@@ -72,6 +72,7 @@ class Attachment:
         self.store = store
         self.log = log  # the store's KV events
         self.reader = Reader()  # this engine's place in them
+        self.report: dict = {}  # its own counters, as it last reported them (kvstore.node.metrics)
         self.name = name  # the engine's own name (vLLM's engine id and rank), for logs and stats
         self.token = os.urandom(16)  # what its other connections present to join it
         self.max_blocks = max(1, int(max_blocks))

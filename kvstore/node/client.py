@@ -54,6 +54,7 @@ from kvstore.node import wire
 from kvstore.node.attachment import new_id
 from kvstore.node.daemon import socket_name
 from kvstore.node.eventlog import decode
+from kvstore.node.metrics import MAX_SAMPLES, REPORT_S
 from kvstore.node.slab import SharedSlab
 from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
 from kvstore.store.cost import Rates
@@ -185,6 +186,7 @@ class NodeStore:
         self._prefetch_lock = threading.Lock()
         self._prefetch: ThreadPoolExecutor | None = None
         self._closed = False
+        self._next_report = float("-inf")
         self.counts = {"attached": 0, "failures": 0, "stale_handles": 0, "pending_dropped": 0}
         try:
             self._call("ping")
@@ -399,8 +401,25 @@ class NodeStore:
     # -- lookups -----------------------------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None,
                         held: int = 0) -> PrefixMatch:
+        self._report()
         (n, tiers, reason), _ = self._call("lookup", check_keys(keys), record, num_tokens, held)
         return PrefixMatch(int(n), tuple(tiers), reason)
+
+    def _report(self, force: bool = False) -> None:
+        """This engine's own counters (kvstore_engine_*, the connector's) to the daemon, which
+        exports them per engine and for the host (kvstore.node.metrics): at most every REPORT_S,
+        not waited for, dropped if it cannot go now."""
+        now = self._clock()
+        if not force and now < self._next_report:
+            return
+        self._next_report = now + REPORT_S
+        samples = [[x.name, dict(x.labels), x.value] for fam in self.metrics.registry.collect() for x in fam.samples
+                   if x.name.startswith("kvstore_engine_") and x.name.endswith("_total")]
+        if samples:
+            try:
+                wire.send(self._link().sock, ["report!", samples[:MAX_SAMPLES]])
+            except (NodeUnavailable, OSError, AttributeError):
+                pass
 
     def prefetch(self, keys: Sequence[bytes]) -> Future:
         keys = check_keys(keys)
@@ -467,6 +486,7 @@ class NodeStore:
             return not self._stale(h.gen)
         finally:
             self._ended(h.gen)
+            self._report()
 
     # -- stores ------------------------------------------------------------------------------------
     def begin_store(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> NodeReservation:
@@ -536,6 +556,8 @@ class NodeStore:
 
     def close(self, persist: bool = True) -> None:
         """Detach: the daemon ends whatever this engine still held; the daemon's store stays."""
+        if not self._closed:
+            self._report(force=True)  # its last figures, which the daemon keeps under its name
         with self._lock:
             if self._closed:
                 return

@@ -18,6 +18,7 @@ finds it by the tier's start-up scan.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
 from kvstore.node.attachment import Attachment
 from kvstore.node.eventlog import DRAIN_S, EventLog
+from kvstore.node.metrics import NodeMetrics, check_report
 from kvstore.offload.frames import serve_timeouts
 from kvstore.offload.private_server import PrivateServer
 from kvstore.offload.sockdir import open_folder, path_in
@@ -75,6 +77,7 @@ class NodeDaemon:
         self.config = config
         self.stores: dict[tuple, KVStore] = {}
         self.logs: dict[int, EventLog] = {}  # id(store) -> its KV-event records, read by its engines
+        self.models: dict[int, str] = {}  # id(store) -> its model's name (metrics labels)
         self.engines: dict[bytes, Attachment] = {}
         self.lock = threading.Lock()
         self._making = threading.Lock()  # one store made at a time, outside self.lock
@@ -82,8 +85,11 @@ class NodeDaemon:
         self._dir, folder = open_folder()
         self._name = socket_name(config.node.name)
         self.path = os.path.join(folder, self._name)
+        self.metrics: NodeMetrics | None = None
         try:
             self._claim(folder)
+            # the stores' own metrics are served here, with each engine's (kvstore.node.metrics)
+            self.metrics = NodeMetrics(self, config.metrics.port, config.metrics.host)
             old = os.umask(0o177)
             try:
                 self.server = PrivateServer(path_in(self._dir, folder, self._name), _Handler, self,
@@ -92,6 +98,8 @@ class NodeDaemon:
             finally:
                 os.umask(old)
         except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
             os.close(self._dir)
             raise
         self.thread: threading.Thread | None = None
@@ -153,7 +161,8 @@ class NodeDaemon:
                 if len(self.stores) >= MAX_STORES:
                     raise ValueError(f"{MAX_STORES} models have stores here already (each a DRAM slab of "
                                      f"tiers.dram.capacity_gb); stop this daemon to free them")
-            s = KVStore(self.config, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
+            cfg = dataclasses.replace(self.config, metrics=dataclasses.replace(self.config.metrics, port=None))
+            s = KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
                         shared_dram=True, events=True)
             if s.dram is None:
                 s.close(persist=False)
@@ -162,6 +171,7 @@ class NodeDaemon:
             with self.lock:
                 self.stores[k] = s
                 self.logs[id(s)] = EventLog(s)
+                self.models[id(s)] = str(fp.model)
         log.info("kvstore serve: a store for %s (%d bytes a block, %d tokens)", fp.model, block_bytes, block_tokens)
         return s
 
@@ -203,6 +213,7 @@ class NodeDaemon:
             if last:
                 self.engines.pop(a.token, None)
         if last:
+            self.metrics.retire(a)
             loads, stores = a.release()
             log.info("kvstore serve: engine %s detached (%d loads ended, %d stores aborted)", a.name, loads, stores)
 
@@ -221,6 +232,7 @@ class NodeDaemon:
             self.logs = {}
         if self._drainer is not None:
             self._drainer.join()
+        self.metrics.close()
         for a in engines:
             a.release()
         for s in stores:
@@ -235,7 +247,8 @@ class NodeDaemon:
 
 # calls answered with nothing (the engine does not wait for them; the stream keeps their order):
 # the end of a load, on the engine's forward path (one round trip less per hit: 0.1-0.3 ms here)
-CASTS = {"end_load!": "end_load", "end_store!": "end_store"}
+# and an engine's report of its counters (kvstore.node.metrics)
+CASTS = {"end_load!": "end_load", "end_store!": "end_store", "report!": "report"}
 
 
 def _slot(e) -> int:
@@ -313,6 +326,9 @@ def _serve(a: Attachment, msg: list) -> Any:
         return a.prefetch(_keys(_args(msg, 1)[0]))
     if op == "prefetch_done":
         return a.prefetch_done(_args(msg, 1)[0], PREFETCH_WAIT_S)
+    if op == "report":
+        a.report = check_report(_args(msg, 1)[0])
+        return None
     if op == "events":
         _args(msg, 0)
         return a.log.read(a.reader)

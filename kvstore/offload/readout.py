@@ -9,6 +9,10 @@ benchmark, a replay), the store's own lookups are summarized: found / looked up.
 Served tokens are split into *replay* (the exact prompt was seen before) and *genuine* reuse
 (a new prompt sharing a stored prefix; kvstore.offload.replay): a hit rate built on replays
 (a staging test resending the same prompts) says little about production traffic.
+
+A node daemon (``kvstore serve``) exports the samples of each model's store and of each engine
+attached to it, labelled ``model`` and ``engine`` (:mod:`kvstore.node.metrics`): the readout is
+the host's (summed over those labels), then each engine's.
 """
 
 from __future__ import annotations
@@ -28,12 +32,36 @@ def _key(name: str, labels: dict) -> tuple:
     return name, tuple(sorted(labels.items()))
 
 
+SPLIT = ("engine", "model", "root")  # a node daemon's labels: summed over for the host
+NODE_MARK = "kvstore_node_engines"  # a gauge only a node daemon exports
+
+
 def parse(text: str) -> dict:
     vals = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             vals[_key(s.name, s.labels)] = s.value
     return summarize(vals)
+
+
+def _host(vals: dict) -> dict:
+    """``vals`` summed over the SPLIT labels."""
+    out: dict = {}
+    for (n, labels), v in vals.items():
+        k = (n, tuple(kv for kv in labels if kv[0] not in SPLIT))
+        out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _engines(vals: dict) -> dict[str, dict]:
+    """engine -> its samples, the engine label taken off (a node daemon's per-engine samples)."""
+    out: dict[str, dict] = {}
+    for (n, labels), v in vals.items():
+        d = dict(labels)
+        if "engine" in d:
+            e = d.pop("engine")
+            out.setdefault(e, {})[_key(n, {k: x for k, x in d.items() if k not in SPLIT})] = v
+    return out
 
 
 def values(registry: CollectorRegistry) -> dict:
@@ -115,6 +143,15 @@ def engine_summary(vals: dict) -> dict | None:
 
 
 def summarize(vals: dict) -> dict:
+    """The readout of one store's samples, or of a node daemon's: its host's, with ``engines``."""
+    if not any(n == NODE_MARK for n, _ in vals):
+        return _summarize(vals)
+    out = _summarize(_host(vals))
+    out["engines"] = {e: engine_summary(v) for e, v in sorted(_engines(vals).items())}
+    return out
+
+
+def _summarize(vals: dict) -> dict:
     lookup = _get(vals, "kvstore_lookup_tokens_total")
     tiers = sorted(_by(vals, "kvstore_tier_blocks", "tier"))
     hits = {t: _get(vals, "kvstore_lookup_hit_tokens_total", tier=t) for t in tiers}
@@ -186,4 +223,12 @@ def render(s: dict) -> str:
                      f"({d['bytes'] / cap:.0%} of capacity), {int(d['evictions'])} evicted, "
                      f"{int(d['expirations'])} expired")
     lines.append(f"corrupt files dropped: {int(s['corrupt_files'])}")
+    if s.get("engines") is not None:
+        lines.append(f"engines ({len(s['engines'])}; the lines above are the host's):")
+        for name, e in s["engines"].items():
+            if e is None:
+                continue
+            lines.append(f"  {name[:40]:40s} {e['hit_rate']:6.1%}  ({sum(e['served_tokens'].values())} / "
+                         f"({e['prompt_tokens']} - {e['engine_local_hit_tokens']}) tokens, {e['requests']} requests, "
+                         f"{e['stored_blocks']} blocks stored)")
     return "\n".join(lines)
