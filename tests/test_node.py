@@ -150,6 +150,31 @@ def test_one_engine_holds_at_most_its_share_of_the_slots(daemon):
         b.close()
 
 
+def test_only_slots_are_charged_to_an_engines_share(daemon):
+    """Blocks stored already (by another engine, say) neither take an engine's share nor push the
+    new ones of the same request out of it: before, 4 stored blocks ahead of 4 new ones in an
+    8-block request, with a share of 4, got the 4 new ones no slot."""
+    d, cfg = daemon(dram_blocks=16, engine_share=0.25)  # 4 slots each
+    a, b = engine(cfg, "a"), engine(cfg, "b")
+    try:
+        keys = make_keys(8, seed=7)
+        data = blocks_for(keys, BB)
+        assert store(b, keys[:4], data[:4]) == 4
+        h = a.begin_store(keys)
+        assert [v is not None for v in h.views] == [False] * 4 + [True] * 4
+        assert next(x for x in d.engines.values() if x.name == "a").held == 4
+        for v, x in zip(h.views, data):
+            if v is not None:
+                v[:] = x
+        assert a.end_store(h, True) == 4
+        assert b.contains_prefix(keys, record=False).num_blocks == 8
+        got = load(b, keys[4:])  # (a pin is charged too: 4 at a time)
+        assert len(got) == 4 and all(np.array_equal(g, x) for g, x in zip(got, data[4:]))
+    finally:
+        a.close()
+        b.close()
+
+
 # -- an engine dies ----------------------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""

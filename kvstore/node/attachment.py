@@ -44,6 +44,22 @@ class _Load:
         self.h, self.bounce, self.lock = h, [], threading.Lock()
 
 
+class _Store:
+    """A reservation: the store's handle of the engine's keys that needed a slot, where each is
+    in the engine's list, and how many slots it holds (charged to the engine's share)."""
+
+    def __init__(self, h: StoreHandle, positions: list[int]):
+        self.h, self.positions = h, positions
+        self.slots = sum(1 for e in h.entries if e is not None)
+
+    def slot_of(self, n: int) -> list:
+        """The entry of each of the engine's ``n`` keys (None: not to be written)."""
+        out: list = [None] * n
+        for p, e in zip(self.positions, self.h.entries):
+            out[p] = e
+        return out
+
+
 class _Bounce:
     """``outs`` for :meth:`KVStore.read_load`: a block the store cannot promote into a DRAM slot is
     read into a slot taken from the pool for this load alone (never into memory the engine cannot
@@ -77,7 +93,7 @@ class Attachment:
         self.token = os.urandom(16)  # what its other connections present to join it
         self.max_blocks = max(1, int(max_blocks))
         self.loads: dict[int, _Load] = {}
-        self.stores: dict[int, StoreHandle] = {}
+        self.stores: dict[int, _Store] = {}
         self.prefetches: dict[int, Future] = {}
         self.held = 0  # blocks pinned by its loads, reserved by its stores, read into bounce slots
         self.refused = 0  # blocks it asked for past max_blocks (counted, not held)
@@ -176,44 +192,50 @@ class Attachment:
                 load.bounce = []
 
     # -- stores --------------------------------------------------------------------------------
-    def begin_store(self, sid: int, keys: list[bytes], ttl: float | None) -> StoreHandle:
+    def begin_store(self, sid: int, keys: list[bytes], ttl: float | None) -> list:
+        """Reserve slots for the keys not stored yet, as many as the engine's share allows, in its
+        order; the entry of each of its keys (None: not to be written). Only slots are charged: a
+        key stored already (by another engine, say) neither takes the share nor pushes a new one
+        out of it."""
         with self.lock:
             self._check_id(sid)
-        cap = self.take(len(keys))
+        todo = [i for i, k in enumerate(keys) if self.store.chain.holder(k) is None]
+        cap = self.take(len(todo))
         try:
-            h = self.store.begin_store(keys[:cap], ttl_s=ttl)
+            r = _Store(self.store.begin_store([keys[i] for i in todo[:cap]], ttl_s=ttl), todo[:cap])
         except BaseException:
             self._give(cap)
             raise
+        self._give(cap - r.slots)  # stored or being written meanwhile, or no free slot
         with self.lock:
             refused = self.released or sid in self.loads or sid in self.stores
             if not refused:
-                self.stores[sid] = h
+                self.stores[sid] = r
         if refused:
-            self._abort(h)
+            self._abort(r)
             raise LookupError(f"store {sid}: this engine was released, or the id is in use")
-        return h
+        return r.slot_of(len(keys))
 
     def end_store(self, sid: int, oks: list[bool]) -> int:
         """Publish the blocks ``oks`` says were written (missing entries: not written)."""
         if not isinstance(oks, list) or not all(type(o) is bool for o in oks):
             raise ValueError("end_store: oks is a list of booleans")
         with self.lock:
-            h = self.stores.pop(sid, None)
-        if h is None:
+            r = self.stores.pop(sid, None)
+        if r is None:
             raise LookupError(f"unknown store handle {sid}")
         try:
-            return self.store.end_store(h, oks[: len(h.keys)] + [False] * (len(h.keys) - len(oks)))
+            return self.store.end_store(r.h, [p < len(oks) and oks[p] for p in r.positions])
         finally:
-            self._give(len(h.keys))
+            self._give(r.slots)
 
-    def _abort(self, h: StoreHandle) -> None:
+    def _abort(self, r: _Store) -> None:
         try:
-            self.store.end_store(h, False)
+            self.store.end_store(r.h, False)
         except Exception as e:  # noqa: BLE001 - the store closed meanwhile
             log.debug("kvstore node: aborting a store of %s: %s", self.name, e)
         finally:
-            self._give(len(h.keys))
+            self._give(r.slots)
 
     # -- prefetches (first design: the scheduler asks again until the promotion is done) ---------
     def prefetch(self, keys: list[bytes]) -> int:
@@ -253,6 +275,6 @@ class Attachment:
                 self._end_load(load)
             except Exception as e:  # noqa: BLE001 - the store closed meanwhile
                 log.debug("kvstore node: releasing a load of %s: %s", self.name, e)
-        for h in stores:
-            self._abort(h)
+        for r in stores:
+            self._abort(r)
         return len(loads), len(stores)

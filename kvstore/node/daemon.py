@@ -317,8 +317,7 @@ def _serve(a: Attachment, msg: list) -> Any:
         metas = _metas(metas, len(keys))
         if metas and a.store.events is not None:
             a.store.events.remember(keys, metas)
-        h = a.begin_store(sid, keys, ttl)
-        return [_slot(e) for e in h.entries]
+        return [_slot(e) for e in a.begin_store(sid, keys, ttl)]
     if op == "end_store":
         sid, oks = _args(msg, 2)
         return a.end_store(sid, oks)
