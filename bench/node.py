@@ -16,6 +16,11 @@ Reported: each case's median TTFT, the median of the paired ratios node B ÷ emb
 equal the embedded engine's; the daemon's DRAM blocks after A and B (the prompts once: 1x, where
 two embedded engines hold 2x), and the daemon's CPU seconds per GiB stored (from /proc, while A
 stores). Runs on a tiny random Llama built offline, like ``bench e2e``.
+
+The no-reuse tax in node mode: before their TTFT prompts, the embedded engine and node A each run
+the same ``--nr-batches`` batches of ``--nr-prompts`` distinct ``--nr-tokens``-token prompts (the
+first a warm-up), every block stored and none reused: node A's throughput ÷ the embedded
+engine's (the control path's round trips to the daemon against calls in the process).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import tempfile
 import time
 import uuid
 
+import numpy as np
+
 from kvstore.bench import harness
 from kvstore.bench.report import markdown_table
 
@@ -40,6 +47,9 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=5, help="fresh prompts per length")
     p.add_argument("--block-size", type=int, default=32, help="vLLM block size (a multiple of 32 on CPU)")
     p.add_argument("--dram-gb", type=float, default=0.5, help="the daemon's (and the embedded engine's) DRAM")
+    p.add_argument("--nr-batches", type=int, default=5, help="no-reuse batches (the first a warm-up; 0: skip)")
+    p.add_argument("--nr-prompts", type=int, default=8, help="no-reuse: distinct prompts a batch")
+    p.add_argument("--nr-tokens", type=int, default=1024, help="no-reuse: tokens a prompt")
     p.add_argument("--dir", type=harness.folder, default=None, help="work folder (default: a temp folder)")
     harness.output_args(p, plots=False)
 
@@ -62,8 +72,13 @@ def _job(job: dict) -> dict:
     longest = max(int(n) for n in job["prompts"])
     eng = Engine(job["model"], block_size=job["block_size"], max_len=longest + 64, batched_tokens=longest + 64,
                  kv_transfer=kv_transfer(extra))
-    out: dict = {"runs": {}}
+    out: dict = {"runs": {}, "no_reuse_s": []}
     try:
+        for i, batch in enumerate(job.get("no_reuse") or []):
+            t0 = time.monotonic()
+            eng.batch(batch, OUTPUT)
+            if i > 0:  # the first is a warm-up (a fresh engine's first batch of a shape is slow)
+                out["no_reuse_s"].append(time.monotonic() - t0)
         for n, ps in job["prompts"].items():
             eng.batch([ps[0]], OUTPUT)  # warm-up of this length
             for sh in shared_mod.live():
@@ -140,13 +155,17 @@ def run(a) -> dict:
             time.sleep(0.1)
         base = {"model": model, "block_size": a.block_size, "dram_gb": a.dram_gb,
                 "prompts": {str(n): ps for n, ps in prompts.items()}}
-        embedded = _spawn("embedded", {**base, "store": os.path.join(work, "embedded"), "again": True}, work)
+        rng = np.random.default_rng(4600)
+        nr = [[[int(x) for x in rng.integers(4, 500, a.nr_tokens)] for _ in range(a.nr_prompts)]
+              for _ in range(a.nr_batches)]
+        embedded = _spawn("embedded", {**base, "store": os.path.join(work, "embedded"), "again": True,
+                                       "no_reuse": nr}, work)
         node = {"store": None, "extra": {"mode": "node", "node": {"name": name}}}
         # the model's store and slab are made at its first attach: a warm-up engine does that (and
         # stores the warm-up prompts), so the daemon's CPU while A stores is the stores' alone
         _spawn("node_warmup", {**base, **node, "prompts": {str(n): ps[:1] for n, ps in prompts.items()}}, work)
         cpu0 = _cpu_s(daemon.pid)
-        node_a = _spawn("node_a", {**base, **node}, work)
+        node_a = _spawn("node_a", {**base, **node, "no_reuse": nr}, work)
         cpu_a = _cpu_s(daemon.pid) - cpu0
         node_b = _spawn("node_b", {**base, **node}, work)
     finally:
@@ -163,12 +182,18 @@ def run(a) -> dict:
                      f"{statistics.median(r['ttft_s'] for r in b) * 1e3:.1f}", f"{statistics.median(ratios):.2f}",
                      "yes" if all(r["cached"] == full for r in b) else "NO",
                      "yes" if all(x["outputs"] == y["outputs"] for x, y in zip(e, b)) else "NO"])
-    stored_blocks = sum(n // a.block_size * (a.repeats + 1) for n in lengths)  # every full block is stored
+    # every full block is stored: the prompts', and node A's no-reuse batches' (warm-up included)
+    stored_blocks = sum(n // a.block_size * (a.repeats + 1) for n in lengths) + \
+        a.nr_batches * a.nr_prompts * (a.nr_tokens // a.block_size)
     a_gib = sum(n // a.block_size * a.repeats for n in lengths) * node_a["block_bytes"] / (1 << 30)
     res = {"lengths": lengths, "repeats": a.repeats, "rows": rows, "ratio_median": statistics.median(ratios_all),
            "daemon_dram_blocks_after_b": node_b.get("dram_blocks"), "prompt_blocks": stored_blocks,
            "daemon_cpu_s_while_a_stored": cpu_a,
-           "a_stored_gib": a_gib, "daemon_cpu_s_per_stored_gib": cpu_a / a_gib if a_gib else None, "work": work}
+           "a_stored_gib": a_gib, "daemon_cpu_s_per_stored_gib": cpu_a / a_gib if a_gib else None, "work": work,
+           "no_reuse_s": {"embedded": embedded["no_reuse_s"], "node": node_a["no_reuse_s"]}}
+    if embedded["no_reuse_s"] and node_a["no_reuse_s"]:  # throughput: the same tokens in less time
+        res["no_reuse_node_over_embedded"] = statistics.median(embedded["no_reuse_s"]) / \
+            statistics.median(node_a["no_reuse_s"])
     res["problems"] = [f"cross-engine hit / same-engine hit {res['ratio_median']:.2f} > 1.1"] \
         if res["ratio_median"] > 1.1 else []
     return harness.report(a, res, _render)
@@ -182,10 +207,14 @@ def _render(res: dict) -> str:
     return "\n".join([
         markdown_table([dict(zip(COLUMNS, r)) for r in res["rows"]], COLUMNS),
         f"\nB / embedded, median of every paired ratio: {res['ratio_median']:.2f} (goal <= 1.1)",
-        f"daemon DRAM blocks after A and B: {res['daemon_dram_blocks_after_b']} (the prompts' full blocks: "
-        f"{res['prompt_blocks']}; two embedded engines hold each twice)",
+        f"daemon DRAM blocks after A and B: {res['daemon_dram_blocks_after_b']} (the full blocks of every prompt A "
+        f"and B sent, no-reuse batches included: {res['prompt_blocks']}; two embedded engines hold each twice)",
         f"daemon CPU while engine A stored {res['a_stored_gib']:.3f} GiB: {res['daemon_cpu_s_while_a_stored']:.2f} s "
-        f"({res['daemon_cpu_s_per_stored_gib']:.2f} s a GiB; its requests' lookups and pins included)"])
+        f"({res['daemon_cpu_s_per_stored_gib']:.2f} s a GiB; its requests' lookups and pins included)",
+        *([f"no-reuse throughput, node A / embedded: {res['no_reuse_node_over_embedded']:.3f} (median batch "
+           f"{statistics.median(res['no_reuse_s']['embedded']) * 1e3:.0f} ms embedded, "
+           f"{statistics.median(res['no_reuse_s']['node']) * 1e3:.0f} ms node)"]
+          if res.get("no_reuse_node_over_embedded") else [])])
 
 
 if __name__ == "__main__":

@@ -16,11 +16,18 @@ get. TTFT counts from the router's send: queueing at a busy engine is part of it
 
 Reported per policy, with and without Redis: the share of prompt tokens the engine already had
 (vLLM's prefix cache) and kvstore served per tier, mean and p90 TTFT, requests per engine.
+
+``--node`` (issue 46): instead, the engines attach to one ``kvstore serve`` of the host (no Redis,
+no store of their own) holding the DRAM they would have held together (``--engines`` x
+``--dram-blocks``), NVMe in a folder of its own; a turn that lands on the other engine finds its
+history in the daemon's DRAM, announced on that engine's own KV-event stream. The engines share
+``PYTHONHASHSEED`` (vLLM's block hashes), as engines sharing a daemon must.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -45,13 +52,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--policies", default="round_robin,session,prefix")
     p.add_argument("--redis", choices=("both", "off", "on"), default="both")
+    p.add_argument("--node", action="store_true", help="the engines attach to one kvstore serve daemon instead "
+                   "(no Redis): the node cache's rows only")
     p.add_argument("--gpu-blocks", type=int, default=64, help="vLLM's own KV cache per engine, in blocks")
     p.add_argument("--dram-blocks", type=int, default=160, help="kvstore's DRAM tier per engine, in blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of the Markdown table")
 
 
-def _engine_main(idx: int, model: str, store: str, redis_url: str | None, port: int, a: dict, inq, outq) -> None:
+def _engine_main(idx: int, model: str, store: str | None, redis_url: str | None, port: int, a: dict, inq, outq) -> None:
     """One engine process: requests in, (TTFT, output, cached tokens) out, kvstore's summary last;
     a failure goes out as ("error", idx, text) so the bench stops instead of waiting. Its output
     (vLLM's logs) goes to stderr: stdout is the bench's table or JSON alone."""
@@ -64,7 +73,9 @@ def _engine_main(idx: int, model: str, store: str, redis_url: str | None, port: 
         outq.put(("error", idx, traceback.format_exc()))
 
 
-def _engine_loop(idx: int, model: str, store: str, redis_url: str | None, port: int, a: dict, inq, outq) -> None:
+def _engine_loop(idx: int, model: str, store: str | None, redis_url: str | None, port: int, a: dict, inq, outq
+                 ) -> None:
+    """``store``: its NVMe folder (None: ``a["node"]`` names the node daemon it attaches to)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,8 +86,12 @@ def _engine_loop(idx: int, model: str, store: str, redis_url: str | None, port: 
     from kvstore.bench.engine import Engine, connector_config, kv_transfer
     from kvstore.offload import shared as shared_mod
 
-    cfg = connector_config(store, dram_gb=a["dram_blocks"] * BLOCK_KIB / 2**20, nvme_gb=1,
-                           remote={"url": redis_url, "timeout_ms": 500} if redis_url else None)
+    if store is None:  # node mode: the engines announce each other's blocks under the same hashes
+        os.environ["PYTHONHASHSEED"] = "0"
+        cfg = {"mode": "node", "node": {"name": a["node"]}}
+    else:
+        cfg = connector_config(store, dram_gb=a["dram_blocks"] * BLOCK_KIB / 2**20, nvme_gb=1,
+                               remote={"url": redis_url, "timeout_ms": 500} if redis_url else None)
     # every hit is loaded: on the tiny CPU model a recompute costs about what a load does, and the
     # default (io.load_only_if_faster) would cut most of them (slower_than_recompute)
     cfg["io"] = {"load_only_if_faster": False}
@@ -167,18 +182,19 @@ def _workload(a) -> tuple[list[int], list[list[int]], list[str]]:
     return system, users, [f"s{i}" for i in range(a.sessions)]
 
 
-def run_one(a, model: str, policy: str, redis_url: str | None, tries: int = 3) -> dict:
+def run_one(a, model: str, policy: str, redis_url: str | None, node: str | None = None, tries: int = 3) -> dict:
     """:func:`_run_one`, again with other ports when an engine's event publisher found its port
-    taken meanwhile (a free port is picked before the engine binds it)."""
+    taken meanwhile (a free port is picked before the engine binds it). ``node``: the name of the
+    node daemon the engines attach to."""
     for i in range(tries):
         try:
-            return _run_one(a, model, policy, redis_url)
+            return _run_one(a, model, policy, redis_url, node)
         except RuntimeError as e:
             if "Address already in use" not in str(e) or i == tries - 1:
                 raise
 
 
-def _run_one(a, model: str, policy: str, redis_url: str | None) -> dict:
+def _run_one(a, model: str, policy: str, redis_url: str | None, node: str | None) -> dict:
     import multiprocessing as mp
 
     from kvstore.bench.router import Router
@@ -190,9 +206,10 @@ def _run_one(a, model: str, policy: str, redis_url: str | None) -> dict:
     tmp = tempfile.mkdtemp(prefix="kvstore-route-")
     inqs = [ctx.Queue() for _ in range(a.engines)]
     outq = ctx.Queue()
-    args = {k: getattr(a, k) for k in ("gpu_blocks", "dram_blocks", "output_tokens")}
-    procs = [ctx.Process(target=_engine_main, args=(i, model, os.path.join(tmp, f"nvme{i}"), redis_url, ports[i],
-                                                    args, inqs[i], outq), daemon=True) for i in range(a.engines)]
+    args = {k: getattr(a, k) for k in ("gpu_blocks", "dram_blocks", "output_tokens")} | {"node": node}
+    procs = [ctx.Process(target=_engine_main, args=(i, model, None if node else os.path.join(tmp, f"nvme{i}"),
+                                                    redis_url, ports[i], args, inqs[i], outq), daemon=True)
+             for i in range(a.engines)]
     for p in procs:
         p.start()
     def get():
@@ -259,7 +276,8 @@ def _run_one(a, model: str, policy: str, redis_url: str | None) -> dict:
     local = sum(s["engine_local_hit_tokens"] for s in summaries.values())
     served = {t: sum(s["served_tokens"][t] for s in summaries.values()) for t in ("dram", "nvme", "remote")}
     ms = sorted(x * 1000 for x in ttfts)
-    return {"policy": policy, "redis": redis_url is not None, "requests": n, "requests_per_engine": routed,
+    return {"policy": policy, "redis": redis_url is not None, "node": node is not None, "requests": n,
+            "requests_per_engine": routed,
             "prompt_tokens": prompt_tokens, "engine_local_share": local / prompt_tokens,
             "kvstore_share": {t: v / prompt_tokens for t, v in served.items()},
             "ttft_mean_ms": statistics.fmean(ms), "ttft_p90_ms": ms[int(0.9 * (len(ms) - 1))],
@@ -272,11 +290,12 @@ def report(rows: list[dict], a) -> str:
            f"{a.system_tokens} tokens, +{a.user_tokens} user / {a.output_tokens} output tokens a turn; vLLM's own "
            f"cache {a.gpu_blocks} blocks, kvstore DRAM {a.dram_blocks} blocks per engine; {a.concurrency} "
            f"session(s) in flight",
-           "", "| policy | redis | requests per engine | engine-local hit | kvstore dram | nvme | redis | "
+           "", "| policy | store | requests per engine | engine-local hit | kvstore dram | nvme | redis | "
            "TTFT mean ms | p90 ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         k = r["kvstore_share"]
-        out.append(f"| {r['policy']} | {'on' if r['redis'] else 'off'} | {'/'.join(map(str, r['requests_per_engine']))}"
+        where = "node daemon" if r.get("node") else "own + redis" if r["redis"] else "own"
+        out.append(f"| {r['policy']} | {where} | {'/'.join(map(str, r['requests_per_engine']))}"
                    f" | {r['engine_local_share']:.1%} | {k['dram']:.1%} | {k['nvme']:.1%} | {k['remote']:.1%} | "
                    f"{r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} |")
     out.append("")
@@ -284,6 +303,43 @@ def report(rows: list[dict], a) -> str:
                "llm-d's default profile, 3 x the prefix held (tier weights GPU 1.0, CPU 0.8, STORAGE 0.4, from "
                "the engines' KV events) + 2 x the queue score (requests in flight).")
     return "\n".join(out)
+
+
+@contextlib.contextmanager
+def _daemon(a):
+    """A ``kvstore serve`` process holding the DRAM the engines would have held together; its name."""
+    import subprocess
+    import uuid
+
+    import yaml
+
+    from kvstore.config import from_dict
+    from kvstore.node.probe import ping
+
+    tmp = tempfile.mkdtemp(prefix="kvstore-route-node-")
+    name = f"route-{uuid.uuid4().hex[:10]}"
+    cfg = {"tiers": {"dram": {"capacity_gb": a.engines * a.dram_blocks * BLOCK_KIB / 2**20, "ttl_s": None},
+                     "nvme": {"path": os.path.join(tmp, "nvme"), "capacity_gb": 1, "ttl_s": None}},
+           "mode": "node", "node": {"name": name}}
+    path = os.path.join(tmp, "node.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "serve", "--config", path],
+                            stdout=sys.stderr, stderr=sys.stderr)
+    try:
+        t0 = time.monotonic()
+        while ping(from_dict(cfg)) != proc.pid:
+            if proc.poll() is not None or time.monotonic() - t0 > 120:
+                raise RuntimeError("kvstore bench route: the node daemon did not start (its log is above)")
+            time.sleep(0.1)
+        yield name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -294,6 +350,11 @@ def run(a: argparse.Namespace) -> dict:
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     modes = {"both": (False, True), "off": (False,), "on": (True,)}[a.redis]
     rows = []
+    if a.node:
+        for policy in policies:
+            with _daemon(a) as name:
+                rows.append(run_one(a, model, policy, None, node=name))
+        modes = ()
     for with_redis in modes:
         for policy in policies:
             if with_redis:
