@@ -19,8 +19,8 @@ holds the public API and the order of a call's steps; it never asks which tiers 
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from concurrent.futures import Executor, Future
 from typing import Callable, Sequence
@@ -34,6 +34,7 @@ from kvstore.store import placement
 from kvstore.store.chain import Plan, TierChain
 from kvstore.store.cost import Rates
 from kvstore.store.events import TierEvents
+from kvstore.store.gate import Gate
 from kvstore.store.machine import check_dram
 from kvstore.store.handles import LoadHandle, PrefixMatch, StoreHandle, check_keys, check_ttl, rows_of
 from kvstore.store.metrics import StoreMetrics
@@ -55,7 +56,27 @@ def _scratch(n: int, block_bytes: int) -> np.ndarray:
     return alloc_aligned(n * row, prefault=False)[1].reshape(n, row)
 
 
-_CLOSING = threading.Lock()  # makes close's check-and-set one step (an fd closed twice may be another's by then)
+# How long a close waits for the calls in flight and the handles still open (kvstore.store.gate):
+# past it, what they may still touch is left to the process's exit (a warning says so)
+CLOSE_WAIT_S = 30.0
+
+
+def _call(fn):
+    """A call of the store: refused once its close has begun, waited for by the close."""
+    @functools.wraps(fn)
+    def run(self, *args, **kw):
+        with self._gate.call():
+            return fn(self, *args, **kw)
+    return run
+
+
+def _on_handle(fn):
+    """A call on a handle already open: runs while the close waits for the handles."""
+    @functools.wraps(fn)
+    def run(self, *args, **kw):
+        with self._gate.call(on_handle=True):
+            return fn(self, *args, **kw)
+    return run
 
 
 class KVStore:
@@ -84,7 +105,7 @@ class KVStore:
         self.block_tokens = int(block_tokens)
         self.clock = clock
         self.root = root_of(fingerprint)
-        self._closed = False
+        self._gate = Gate()  # the calls in flight and the handles open, for close
         check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port, host=self.config.metrics.host)
         try:
@@ -121,12 +142,12 @@ class KVStore:
         return self.chain.local
 
     # -- lookups -------------------------------------------------------------------------------
+    @_call
     def contains_prefix(self, keys: Sequence[bytes], *, record: bool = True, num_tokens: int | None = None,
                         held: int = 0) -> PrefixMatch:
         """How many leading ``keys`` are worth loading, and in which tier each one is: the stored
         prefix, cut where loading is slower than recomputing (``held``: leading blocks the
         engine holds itself, never read)."""
-        self._check_open()
         keys = check_keys(keys)
         tiers = [t.name for t in self.chain.locate(keys)]
         for t in self.chain.shared:
@@ -143,11 +164,11 @@ class KVStore:
         return PrefixMatch(n, tuple(tiers), reason)
 
     # -- stores --------------------------------------------------------------------------------
+    @_call
     def put(self, keys: Sequence[bytes], blocks, *, ttl_s: float | None = None) -> int:
         """Store blocks under keys. Returns how many were newly stored (present keys are skipped).
         Never waits for a demotion or a free slot; blocks that found no free slot are written to
         the tier below by this call. ``ttl_s``: a retention hint (see :meth:`begin_store`)."""
-        self._check_open()
         keys = check_keys(keys)
         ttl_s = check_ttl(ttl_s)
         rows = rows_of(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
@@ -171,18 +192,20 @@ class KVStore:
             self.moves.run(plan)
             h2 = StoreHandle(ks, entries, [rows[j] if e is not None else None for j, e in zip(rest, entries)],
                              below, ttl=ttl_s, borrowed=True)
+            self._gate.opened()
             n += self.end_store(h2, True)
         return n
 
+    @_call
     def begin_store(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> StoreHandle:
         """Reserve room for the keys not yet stored; returns writable views (None = skip: the key
         is stored or being written, or no free slot). Never waits on I/O. ``ttl_s``: the
         request's retention hint, the idle TTL of these blocks in every tier (None: the config's)."""
-        self._check_open()
         return self._begin_store(check_keys(keys), check_ttl(ttl_s), None)
 
     def _begin_store(self, keys: list[bytes], ttl: float | None, rows: list | None) -> StoreHandle:
         top = self.chain.top
+        self._gate.opened()  # ended by end_store
         if top is None:
             return StoreHandle(keys, [None] * len(keys), [None] * len(keys), None, ttl=ttl)
         plan = Plan()
@@ -197,10 +220,15 @@ class KVStore:
         return StoreHandle(keys, entries, views, top, ttl=ttl, borrowed=rows is not None and not top.addressable)
 
     def end_store(self, h: StoreHandle, ok: bool | Sequence[bool] = True) -> int:
-        """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored."""
+        """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored (0 once
+        the store's close stopped waiting for it: nothing is published then)."""
         if h.done:
             raise RuntimeError("end_store called twice for one handle")
         h.done = True
+        with self._gate.ending() as live:
+            return self._end_store(h, ok) if live else 0
+
+    def _end_store(self, h: StoreHandle, ok: bool | Sequence[bool]) -> int:
         oks = [ok] * len(h.keys) if isinstance(ok, (bool, np.bool_)) else list(ok)
         if len(oks) != len(h.keys):
             if h.tier is not None:
@@ -222,9 +250,9 @@ class KVStore:
         return n
 
     # -- loads -----------------------------------------------------------------------------------
+    @_call
     def get(self, keys: Sequence[bytes], out, *, session: str | None = None) -> int:
         """Copy the leading stored blocks into ``out`` (rows). Returns how many were copied."""
-        self._check_open()
         keys = check_keys(keys)
         rows = rows_of(out, len(keys), self.block_bytes, writable=True, name="out")
         h = self.begin_load(keys, outs=rows, session=session)
@@ -236,11 +264,11 @@ class KVStore:
             self.end_load(h)
         return h.num_blocks
 
+    @_call
     def begin_load(self, keys: Sequence[bytes], *, outs: list[np.ndarray] | None = None,
                    session: str | None = None) -> LoadHandle:
         """Pin the leading stored blocks and read the lower-tier ones (:meth:`pin_load` then
         :meth:`read_load`). ``views[i]`` holds block i; call ``end_load`` to unpin."""
-        self._check_open()
         h = self._pin(check_keys(keys), session)
         try:
             self._read(h, outs)
@@ -249,15 +277,16 @@ class KVStore:
             raise
         return h
 
+    @_call
     def pin_load(self, keys: Sequence[bytes], *, session: str | None = None, ttl_s: float | None = None) -> LoadHandle:
         """Phase 1 of a load, without I/O of bytes (the scheduler side): pin the leading stored
         blocks in whichever tier holds them. Top-tier blocks get their views now; the others are
         read later by :meth:`read_load` (the worker side), where a failed read is the worker's to
         report. ``ttl_s``: the request's retention hint; the blocks it hits keep at least that
         idle TTL."""
-        self._check_open()
         return self._pin(check_keys(keys), session, ttl=check_ttl(ttl_s))
 
+    @_on_handle
     def read_load(self, h: LoadHandle, outs: list[np.ndarray] | None = None) -> int:
         """Read a pinned load's lower-tier blocks (into fresh top-tier slots when there is room,
         else into ``outs[i]`` or a private buffer). A failed or corrupt read ends the prefix there:
@@ -270,8 +299,10 @@ class KVStore:
     def _pin(self, keys: list[bytes], session: str | None, failpoint: bool = True, ttl: float | None = None) -> LoadHandle:
         if failpoint:
             failpoints.fire("store.pin", store=self, keys=keys)
-            self._check_open()  # the failpoint may have closed it
+            if self._gate.closed:  # the failpoint may have closed it
+                raise RuntimeError("KVStore is closed")
         where, entries = self.chain.pin(keys, session, ttl)
+        self._gate.opened()  # ended by end_load
         for t in self.chain.shared:
             self.metrics.sync(t)
         n = len(where)
@@ -358,6 +389,11 @@ class KVStore:
         if h.done:
             raise RuntimeError("end_load called twice for one handle")
         h.done = True
+        with self._gate.ending() as live:
+            if live:
+                self._unpin(h)
+
+    def _unpin(self, h: LoadHandle) -> None:
         top = self.chain.top
         if top is not None:
             self.chain.release(top, [e for e in h.entries if e is not None])
@@ -366,10 +402,10 @@ class KVStore:
         h.unread.clear()
         self.update_gauges()
 
+    @_call
     def prefetch(self, keys: Sequence[bytes]) -> Future:
         """Start promoting the leading lower-tier blocks of ``keys`` into the top tier; resolves
         to the count."""
-        self._check_open()
         keys = check_keys(keys)
         top = self.chain.top
         if top is None or not top.addressable or len(self.chain.tiers) < 2:  # nowhere to promote into or from
@@ -388,9 +424,13 @@ class KVStore:
         return self.moves.background(job)
 
     # -- maintenance ---------------------------------------------------------------------------
+    @_call
     def sweep(self) -> int:
         """Expire what is due in every tier (bounded work): victims written down in the
         background where the rules say so, files removed here."""
+        return self._sweep()
+
+    def _sweep(self) -> int:
         plan = Plan()
         n = self.chain.expire(plan)
         self.moves.run(plan)
@@ -401,15 +441,19 @@ class KVStore:
         """What became servable in, or left, each announced tier since the last call
         (:class:`~kvstore.store.events.TierEvents`; [] with events off). Past-TTL blocks are swept on
         the store's background (prefetch) thread when any is due, so an expiry is seen without traffic: by the next call."""
-        if self.events is None or self._closed:
+        if self.events is None or self._gate.closed:
             return []
         if (self._sweeping is None or self._sweeping.done()) and self.events.due(self.clock()):
-            self._sweeping = self.moves.background(self.sweep)
+            self._sweeping = self.moves.background(self._sweep)
         return self.events.take()
 
+    @_call
     def persist(self) -> int:
         """Write blocks only the top tier holds down to the next (write-back), oldest first, in
         batches of 64. Returns how many."""
+        return self._persist()
+
+    def _persist(self) -> int:
         pinned, todo = self.chain.persist()
         try:
             n = 0
@@ -445,28 +489,30 @@ class KVStore:
         """Bring the tiers' gauges up to date (vLLM's stats take them at a step, once a second)."""
         self.metrics.gauges(self.chain.local)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("KVStore is closed")
-
-    def close(self, persist: bool = True) -> None:
-        """Finish background work, write top-tier-only blocks down (``persist``; not into an NVMe
-        folder this store made for itself, which is removed now), free everything."""
-        with _CLOSING:  # two closers at once (release_shared and the atexit close): one closes
-            if self._closed:
-                return
-            self._closed = True  # new calls are refused; queued prefetches still run (internally)
+    def close(self, persist: bool = True, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Refuse new calls, wait (up to ``wait_s``) for the calls in flight and the handles open
+        (kvstore.store.gate), finish background work, write top-tier-only blocks down
+        (``persist``; not into an NVMe folder this store made for itself, which is removed now),
+        free everything. Past ``wait_s``, a call still in flight keeps the tiers (their fds and
+        memory go with the process) and an open handle keeps the DRAM slab mapped."""
+        if not self._gate.begin_close():  # two closers at once (release_shared and the atexit close): one closes
+            return
+        calls, handles = self._gate.drain(wait_s)
+        if calls or handles:
+            log.warning("kvstore: closing with %d calls in flight and %d handles open after %.0f s: %s", calls,
+                        handles, wait_s, "the tiers are left open" if calls else "the DRAM slab is left mapped")
         try:
-            for f in self.moves.pending():  # demotions, write-through copies, removals
+            for f in self.moves.pending():  # demotions, write-through copies, removals, prefetches
                 try:
                     f.result()
                 except Exception as e:  # a failed background job must not stop the close
                     log.warning("kvstore: a background job failed: %s", e)
-            if persist and not self._tiers.temporary:
-                self.persist()
+            if persist and not self._tiers.temporary and not calls:
+                self._persist()
         finally:
             self.moves.shutdown()
-            self._tiers.close()
+            if not calls:
+                self._tiers.close(keep_memory=handles > 0)
             self.metrics.close()
 
     def __enter__(self) -> "KVStore":

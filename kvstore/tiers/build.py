@@ -108,9 +108,13 @@ class TierSet:
         self.tiers.append(RedisTier.open(cfg, namespace=ns, block_bytes=self.block_bytes, codec=self._codec(cfg),
                                          codec_id=CODEC_IDS[cfg.codec], environ=os.environ))
 
-    def close(self) -> None:
+    def close(self, keep_memory: bool = False) -> None:
+        """Close every tier (``keep_memory``: not the DRAM tier, whose slab a handle still open
+        may be copying into: left to the process's exit)."""
         tiers, self.tiers = self.tiers, []
         for t in tiers:
+            if keep_memory and t.addressable:
+                continue
             t.close()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
