@@ -293,6 +293,11 @@ def _answers(e: NodeStore) -> bool:
         return False
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_stuck_daemon_costs_at_most_the_timeout(served):
     s = served(timeout_ms=300)
     a = engine(s.cfg, "a")
@@ -300,6 +305,9 @@ def test_a_stuck_daemon_costs_at_most_the_timeout(served):
         keys = make_keys(4)
         assert store(a, keys, blocks_for(keys, BB)) == 4
         os.kill(s.proc.pid, signal.SIGSTOP)
+        # stopped once /proc says so: a thread already running finishes its slice first (a lookup
+        # sent right after the kill was answered in 0.7 ms, while the state still read "R")
+        _wait(lambda: _state(s.proc.pid) == "T", "the daemon did not stop")
         t = time.monotonic()
         with pytest.raises(NodeUnavailable):
             a.contains_prefix(keys, record=False)
