@@ -128,11 +128,8 @@ def _cpu_s(pid: int) -> float:
 
 
 def run(a) -> dict:
-    import yaml
-
+    from kvstore.bench.node_daemon import node_daemon
     from kvstore.bench.tiny_model import build_tiny_llama
-    from kvstore.config import from_dict
-    from kvstore.node.probe import ping
 
     lengths = [int(x) for x in a.lengths.split(",")]
     work = a.dir or tempfile.mkdtemp(prefix="kvstore-bench-node-")
@@ -142,17 +139,7 @@ def run(a) -> dict:
     cfg = {"tiers": {"dram": {"capacity_gb": a.dram_gb, "ttl_s": None},
                      "nvme": {"path": os.path.join(work, "daemon-nvme"), "capacity_gb": 4, "ttl_s": None}},
            "mode": "node", "node": {"name": name}}
-    cfg_file = os.path.join(work, "daemon.yaml")
-    with open(cfg_file, "w") as f:
-        yaml.safe_dump(cfg, f)
-    daemon = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "serve", "--config", cfg_file],
-                              stdout=open(os.path.join(work, "daemon.log"), "w"), stderr=subprocess.STDOUT)
-    try:
-        t = time.monotonic()
-        while ping(from_dict(cfg)) != daemon.pid:
-            if daemon.poll() is not None or time.monotonic() - t > 60:
-                raise RuntimeError("bench node: kvstore serve did not start (daemon.log)")
-            time.sleep(0.1)
+    with open(os.path.join(work, "daemon.log"), "w") as daemon_log, node_daemon(cfg, work, daemon_log) as daemon:
         base = {"model": model, "block_size": a.block_size, "dram_gb": a.dram_gb,
                 "prompts": {str(n): ps for n, ps in prompts.items()}}
         rng = np.random.default_rng(4600)
@@ -168,9 +155,6 @@ def run(a) -> dict:
         node_a = _spawn("node_a", {**base, **node, "no_reuse": nr}, work)
         cpu_a = _cpu_s(daemon.pid) - cpu0
         node_b = _spawn("node_b", {**base, **node}, work)
-    finally:
-        daemon.terminate()
-        daemon.wait(120)
     rows, ratios_all = [], []
     for n in lengths:
         e, b, na = embedded["runs"][str(n)], node_b["runs"][str(n)], node_a["runs"][str(n)]

@@ -308,38 +308,17 @@ def report(rows: list[dict], a) -> str:
 @contextlib.contextmanager
 def _daemon(a):
     """A ``kvstore serve`` process holding the DRAM the engines would have held together; its name."""
-    import subprocess
     import uuid
 
-    import yaml
-
-    from kvstore.config import from_dict
-    from kvstore.node.probe import ping
+    from kvstore.bench.node_daemon import node_daemon
 
     tmp = tempfile.mkdtemp(prefix="kvstore-route-node-")
     name = f"route-{uuid.uuid4().hex[:10]}"
     cfg = {"tiers": {"dram": {"capacity_gb": a.engines * a.dram_blocks * BLOCK_KIB / 2**20, "ttl_s": None},
                      "nvme": {"path": os.path.join(tmp, "nvme"), "capacity_gb": 1, "ttl_s": None}},
            "mode": "node", "node": {"name": name}}
-    path = os.path.join(tmp, "node.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.ops.cli", "serve", "--config", path],
-                            stdout=sys.stderr, stderr=sys.stderr)
-    try:
-        t0 = time.monotonic()
-        while ping(from_dict(cfg)) != proc.pid:
-            if proc.poll() is not None or time.monotonic() - t0 > 120:
-                raise RuntimeError("kvstore bench route: the node daemon did not start (its log is above)")
-            time.sleep(0.1)
+    with node_daemon(cfg, tmp):
         yield name
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run(a: argparse.Namespace) -> dict:

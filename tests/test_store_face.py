@@ -28,6 +28,7 @@ from kvstore.config import from_dict
 from kvstore.node.client import NodeStore, NodeUnavailable
 from kvstore.node.daemon import NodeDaemon
 from kvstore.store import KVStore
+from test_node import load
 
 BB = 64 << 10  # a block
 DRAM = 8  # slots
@@ -55,16 +56,6 @@ def store(s, keys, data, ok=True) -> tuple[list[bool], int]:
         if v is not None:
             v[:] = x
     return [v is not None for v in h.views], s.end_store(h, ok)
-
-
-def load(s, keys) -> list[np.ndarray]:
-    """The mover's load: the leading blocks ``s`` can read, copied out."""
-    h = s.pin_load(keys)
-    try:
-        n = s.read_load(h)
-        return [v.copy() for v in h.views[:n]]
-    finally:
-        s.end_load(h)
 
 
 def same(got, data) -> bool:
