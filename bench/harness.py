@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from typing import Any, Callable
 
@@ -97,3 +98,13 @@ class Progress:
 
     def advance(self, n: int = 1) -> None:
         self.bar.advance(self.task, n)
+
+
+def stop_process(p, timeout: float) -> None:
+    """SIGTERM ``p`` (a Popen) and wait up to ``timeout``; then SIGKILL it."""
+    p.terminate()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()

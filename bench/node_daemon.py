@@ -11,6 +11,8 @@ import time
 
 import yaml
 
+from kvstore.bench.harness import stop_process
+
 
 @contextlib.contextmanager
 def node_daemon(cfg: dict, folder: str, log=None, wait_s: float = 120.0):
@@ -34,9 +36,4 @@ def node_daemon(cfg: dict, folder: str, log=None, wait_s: float = 120.0):
             time.sleep(0.1)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 120)

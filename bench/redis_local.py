@@ -33,6 +33,7 @@ def available() -> bool:
     return redis_server_path() is not None
 
 
+from kvstore.bench.harness import stop_process  # noqa: E402
 from kvstore.bench.ports import free_port  # noqa: E402,F401 (the tests import it from here)
 
 
@@ -123,12 +124,7 @@ class LocalRedis:
         """Terminate the server and wait for it; remove the temp folder made for it."""
         p, self.proc = self.proc, None
         if p is not None and p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop_process(p, 10)
         _LIVE.discard(self)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
