@@ -90,3 +90,23 @@ def test_a_handle_never_ended_keeps_the_slab_and_publishes_nothing(tmp_path, cap
         s.begin_store(keys)
     with _store(tmp_path / "c") as again:
         assert again.contains_prefix(keys).num_blocks == 0
+
+
+def test_ordinary_use_leaves_nothing_for_the_close_to_wait_for(tmp_path, caplog):
+    """Every handle the store's own calls open is ended (a leaked count would hold every close for
+    its whole wait): puts past DRAM (written below), gets, loads, an aborted store, a prefetch."""
+    s = _store(tmp_path / "c", dram_blocks=2)
+    keys = make_keys(6, seed=5)
+    assert s.put(keys, blocks_for(keys)) == 6
+    out = np.zeros((6, BLOCK), np.uint8)
+    assert s.get(keys, out) == 6 and np.array_equal(out, blocks_for(keys))
+    s.end_store(s.begin_store(make_keys(2, seed=6)), False)
+    s.end_load(s.pin_load(keys))
+    h = s.begin_load(keys[:3])
+    s.end_load(h)
+    s.prefetch(keys).result(10)
+    s.flush()
+    assert s._gate.handles == 0 and s._gate.calls == 0
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 5 and "handles open" not in caplog.text

@@ -205,8 +205,8 @@ class KVStore:
 
     def _begin_store(self, keys: list[bytes], ttl: float | None, rows: list | None) -> StoreHandle:
         top = self.chain.top
-        self._gate.opened()  # ended by end_store
         if top is None:
+            self._gate.opened()  # ended by end_store
             return StoreHandle(keys, [None] * len(keys), [None] * len(keys), None, ttl=ttl)
         plan = Plan()
         entries = self.chain.store_entries(keys, plan, ttl)
@@ -217,7 +217,9 @@ class KVStore:
             views = [r if e is not None else None for e, r in zip(entries, rows)]
         else:  # a tier without slots: staged in private buffers, written at end_store
             views = [np.empty(self.block_bytes, np.uint8) if e is not None else None for e in entries]
-        return StoreHandle(keys, entries, views, top, ttl=ttl, borrowed=rows is not None and not top.addressable)
+        h = StoreHandle(keys, entries, views, top, ttl=ttl, borrowed=rows is not None and not top.addressable)
+        self._gate.opened()  # ended by end_store
+        return h
 
     def end_store(self, h: StoreHandle, ok: bool | Sequence[bool] = True) -> int:
         """Phase 2: publish what was written (``ok`` may be per key). Returns blocks stored (0 once
@@ -302,7 +304,6 @@ class KVStore:
             if self._gate.closed:  # the failpoint may have closed it
                 raise RuntimeError("KVStore is closed")
         where, entries = self.chain.pin(keys, session, ttl)
-        self._gate.opened()  # ended by end_load
         for t in self.chain.shared:
             self.metrics.sync(t)
         n = len(where)
@@ -316,6 +317,7 @@ class KVStore:
                 pinned[i] = e
             else:
                 unread[i] = (t, e)
+        self._gate.opened()  # ended by end_load
         return h
 
     def _read(self, h: LoadHandle, outs: list[np.ndarray] | None) -> None:
