@@ -167,9 +167,26 @@ _gate.set()
 HOLD_MAX_S = 60.0
 
 
+_holding: set[int] = set()  # the threads a ``hold`` is keeping now
+
+
+def holding() -> set[int]:
+    """The idents of the threads a ``hold`` action keeps waiting now (a test waits for its own
+    thread to be there: another test's leftover thread may have fired the same failpoint)."""
+    with _s.lock:
+        return set(_holding)
+
+
 def _hold(**ctx) -> None:
-    if not _gate.wait(HOLD_MAX_S):
-        log.warning("kvstore failpoint hold: gate not opened in %.0f s; going on", HOLD_MAX_S)
+    me = threading.get_ident()
+    with _s.lock:
+        _holding.add(me)
+    try:
+        if not _gate.wait(HOLD_MAX_S):
+            log.warning("kvstore failpoint hold: gate not opened in %.0f s; going on", HOLD_MAX_S)
+    finally:
+        with _s.lock:
+            _holding.discard(me)
 
 
 SLOW_S = 0.02  # what the ``slow`` action adds to a call (a test may set it)

@@ -34,12 +34,12 @@ def gate():
 def test_a_write_in_flight_ends_before_the_close_and_new_calls_are_refused(tmp_path, gate):
     s = _store(tmp_path / "c", dram_blocks=0)  # NVMe only: a put writes the file in the calling thread
     k = one_key(1)
-    failpoints.arm("nvme.write=hold*1")
+    failpoints.arm("nvme.write=hold")  # every write: a leftover thread of another test may write too
     done: dict = {}
     t = threading.Thread(target=lambda: done.setdefault("n", s.put([k], block_for(k)[None])))
     t.start()
     give_up = time.monotonic() + 10
-    while not failpoints.fired("nvme.write"):
+    while t.ident not in failpoints.holding():  # this put's own write, not another thread's
         assert time.monotonic() < give_up
         time.sleep(0.01)
     closer = threading.Thread(target=s.close)
