@@ -314,7 +314,7 @@ def test_a_read_racing_another_process_reusing_the_file_is_a_miss_never_a_remova
     try:
         reader.start()
         deadline = time.monotonic() + 10
-        while failpoints.fired("nvme.read") < 1 and time.monotonic() < deadline:
+        while reader.ident not in failpoints.holding() and time.monotonic() < deadline:
             time.sleep(0.005)
         assert b.remove([k]) == 1 and len(b.pool) == 1  # K's file, open in A, now in B's pool
         assert put(b, [k2], src[1:]) == [True] and b.pool.stats["reused"] == 1  # overwritten in place
