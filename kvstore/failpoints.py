@@ -202,7 +202,9 @@ def _drop_blocks(store, keys, **ctx) -> None:
 
 
 def _close_store(store, **ctx) -> None:
-    store.close(persist=False)
+    # the call that fired this is in flight on the store (its own thread's, which the close
+    # passes); wait for nothing else: a worker's open handle would hold it for the whole 30 s
+    store.close(persist=False, wait_s=0)
 
 
 def _files(store, keys):

@@ -110,3 +110,53 @@ def test_ordinary_use_leaves_nothing_for_the_close_to_wait_for(tmp_path, caplog)
     t0 = time.monotonic()
     s.close()
     assert time.monotonic() - t0 < 5 and "handles open" not in caplog.text
+
+
+_EXIT_WITH_A_PIN = """
+import sys, time
+sys.path.insert(0, "tests")
+from conftest import BLOCK, FP, block_for, one_key, tiny_config
+from kvstore.offload import acquire_shared
+s = acquire_shared("exit-test", tiny_config(sys.argv[1]), FP, BLOCK, 16)
+k = one_key(7)
+assert s.store.put([k], block_for(k)[None]) == 1
+s.put_handle(s.store.pin_load([k]))  # a pinned load nobody took (its worker never ran)
+print("pinned", flush=True)
+"""
+
+
+def test_a_process_that_exits_with_a_pinned_load_closes_at_once_and_writes_down(tmp_path):
+    """The exit hook ends the handle table's loads, as release_shared does (it closed with them
+    still counted: 30 s at exit, and the slab left mapped, the block never written down)."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_PIN, str(tmp_path / "c")], capture_output=True,
+                       text=True, timeout=120, env={**__import__("os").environ, "KVSTORE_FAILPOINTS": ""})
+    took = time.monotonic() - t0
+    assert p.returncode == 0 and "pinned" in p.stdout, p.stderr[-2000:]
+    assert took < 20 and "handles open" not in p.stderr, (took, p.stderr[-2000:])
+    k = one_key(7)
+    with _store(tmp_path / "c", dram_blocks=0) as again:  # persisted at exit: on NVMe
+        out = np.zeros((1, BLOCK), np.uint8)
+        assert again.get([k], out) == 1 and np.array_equal(out[0], block_for(k))
+
+
+def test_the_close_store_failpoint_does_not_wait_for_the_handles_open(tmp_path, gate):
+    """``store.pin=close_store`` shuts the store down under a call (bench faults' tier_shut_down);
+    an engine's handle open meanwhile held that close for its whole 30 s wait."""
+    s = _store(tmp_path / "c")
+    keys = make_keys(2, seed=8)
+    assert s.put(keys, blocks_for(keys)) == 2
+    h = s.begin_store(make_keys(1, seed=9))  # a save in flight in the engine
+    failpoints.arm("store.pin=close_store*1")
+    t0 = time.monotonic()
+    try:
+        s.end_load(s.pin_load(keys))
+    except RuntimeError as e:
+        assert "closed" in str(e)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(RuntimeError, match="closed"):
+        s.contains_prefix(keys)
+    assert s.end_store(h, True) == 0

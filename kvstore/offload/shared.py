@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # A load is planned in the scheduler step that pinned it; a pin this old was orphaned (e.g. the
 # scheduler's end_load call was lost with its socket) and is released.
 HANDLE_MAX_AGE_S = 300.0
+ATEXIT_WAIT_S = 2.0  # what a close at interpreter exit waits for calls and handles still open
 
 
 def new_id() -> int:
@@ -138,14 +139,22 @@ def release_shared(s: SharedStore) -> bool:
         for k, v in list(_shared.items()):
             if v is s:
                 del _shared[k]
+    _close(s)
+    return True
+
+
+def _close(s: SharedStore, wait_s: float | None = None) -> None:
+    """End the loads still pinned (nobody will take them now), then close the store."""
     with s.lock:  # popped under the lock: a closing connection's release() ends none of them twice
         old = list(s.handles.values())
         s.handles.clear()
         s.owners.clear()
     for h in old:
         s.store.end_load(h)
-    s.store.close()
-    return True
+    if wait_s is not None and isinstance(s.store, KVStore):  # a node client waits on nothing of its own
+        s.store.close(wait_s=wait_s)
+    else:
+        s.store.close()
 
 
 @atexit.register
@@ -155,6 +164,8 @@ def _close_all() -> None:
         _shared.clear()
     for s in items:
         try:
-            s.store.close()
-        except Exception:
-            pass
+            # a pinned load left in the table would hold the close for its whole wait (30 s) and
+            # leave the slab mapped; a save still in flight at exit (a daemon thread's) gets 2 s
+            _close(s, wait_s=ATEXIT_WAIT_S)
+        except Exception as e:
+            log.debug("kvstore: closing at exit: %s", e)
