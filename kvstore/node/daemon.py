@@ -295,8 +295,9 @@ def _args(msg: list, n: int) -> list:
     return msg[1:]
 
 
-def _serve(a: Attachment, msg: list) -> Any:
-    """One call of an attached engine, its arguments checked first (a same-uid client may send anything)."""
+def _serve(a: Attachment, msg: list, metrics: NodeMetrics | None = None) -> Any:
+    """One call of an attached engine, its arguments checked first (a same-uid client may send
+    anything); ``metrics`` counts the samples of its reports that are skipped."""
     op = msg[0]
     if op == "lookup":
         keys, record, num_tokens, held = _args(msg, 4)
@@ -326,7 +327,11 @@ def _serve(a: Attachment, msg: list) -> Any:
     if op == "prefetch_done":
         return a.prefetch_done(_args(msg, 1)[0], PREFETCH_WAIT_S)
     if op == "report":
-        a.report = check_report(_args(msg, 1)[0])
+        a.report, bad = check_report(_args(msg, 1)[0])
+        if bad:  # counted and said (to the log: a report is a cast); the rest of the report is kept
+            if metrics is not None:
+                metrics.skipped(len(bad))
+            raise ValueError(f"report: {len(bad)} samples skipped (the rest kept), the first {bad[0]}")
         return None
     if op == "events":
         _args(msg, 0)
@@ -362,7 +367,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 try:
                     if not isinstance(msg, list) or not msg:
                         raise ValueError("a request is [op, args...]")
-                    reply = [True, _serve(a, [CASTS.get(msg[0], msg[0]), *msg[1:]])]
+                    reply = [True, _serve(a, [CASTS.get(msg[0], msg[0]), *msg[1:]], d.metrics)]
                 except Exception as e:  # noqa: BLE001 - a bad call is answered, never kills the daemon
                     log.debug("kvstore serve: %s from %s failed: %s", msg[0] if isinstance(msg, list) and msg
                               else "?", a.name, e)
