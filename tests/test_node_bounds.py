@@ -6,12 +6,17 @@ only needs it to serve, a ``kvstore serve`` process where a test freezes it.
 
 from __future__ import annotations
 
+import os
+import signal
+
+import numpy as np
 import pytest
 from prometheus_client import Counter
 
+from conftest import blocks_for, make_keys
 from kvstore.node import metrics
 from kvstore.node.metrics import MAX_SAMPLES, check_report
-from test_node import _wait, daemon, engine  # noqa: F401
+from test_node import _answers, _state, _wait, daemon, engine, load, served, store, BB  # noqa: F401
 
 TAG = "kvstore_engine_tag_prompt_tokens"
 
@@ -85,3 +90,39 @@ def test_a_detached_engines_figures_keep_the_newest_label_sets_per_name_and_in_a
     assert d.metrics.series == 10 and list(d.metrics.retired) == ["e", "f"]
     _lifetime(d, cfg, "g", ["g0", "g1", "g2", "g3"])
     assert list(d.metrics.retired) == ["f", "g"] and d.metrics.series == 8  # the oldest name went
+
+
+# -- a call not waited for kept its connection after it was cut short ------------------------------
+
+def test_a_cast_not_sent_whole_closes_its_connection_and_is_counted(served):
+    """The end of a handle and a report (sent, not waited for) kept using their connection after
+    a send that timed out part way: the daemon then read the next frame from the middle of the cut one."""
+    s = served(timeout_ms=200)
+    a, b = engine(s.cfg, "a"), engine(s.cfg, "b")
+    try:
+        keys = make_keys(2, seed=10)
+        data = blocks_for(keys, BB)
+        assert store(a, keys, data) == 2 and _answers(b)  # each has its thread's connection
+        la, lb = a._tls.link, b._tls.link
+        tags = Counter(TAG, "", ["tag"], registry=b.metrics.registry)
+        for i in range(MAX_SAMPLES):
+            tags.labels(f"{i:03d}" + "t" * 250).inc()  # a report of ~140 KiB
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        _wait(lambda: _state(s.proc.pid) == "T", "the daemon did not stop")
+        for e, link, cast in ((a, la, lambda: a._end(a._gen, ["end_store!", 12345, [False] * 50_000])),
+                              (b, lb, lambda: b._report(force=True))):
+            for _ in range(50):  # the daemon reads nothing: the connection fills, then a send times out
+                if link.sock is None:
+                    break
+                cast()
+            assert link.sock is None, "the connection of a send cut short is still used"
+        assert a.metrics.value("kvstore_engine_node_failed_calls_total", op="end_store") == 1
+        assert b.metrics.value("kvstore_engine_node_failed_calls_total", op="report") == 1
+        os.kill(s.proc.pid, signal.SIGCONT)
+        _wait(lambda: _answers(a) and _answers(b), "the engines never answered again", timeout=40)
+        got = load(b, keys)
+        assert len(got) == 2 and all(np.array_equal(g, x) for g, x in zip(got, data))
+    finally:
+        os.kill(s.proc.pid, signal.SIGCONT)
+        a.close()
+        b.close()

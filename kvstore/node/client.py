@@ -15,7 +15,9 @@ its own, joined to the attachment (the scheduler's lookups never wait behind the
 NVMe read); one of a thread that ended is closed when the next is made.
 
 **Failures.** Every call ends within ``node.timeout_ms``. A call that fails (no answer in time, a
-closed connection) closes its own connection and starts a backoff (0.5 s doubling to 30 s) during
+closed connection), or a call not waited for that could not be sent whole, closes its own
+connection (counted by op, ``kvstore_engine_node_failed_calls_total``: a frame half sent would make
+the daemon read the next one from its middle) and starts a backoff (0.5 s doubling to 30 s) during
 which calls fail at once, without the socket: lookups raise :class:`NodeUnavailable` (the
 planner's miss, reason ``store_error``), stores are skipped
 (``kvstore_tier_skipped_blocks_total{reason="node_down"}``), reads read nothing. Handle ids are
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+from prometheus_client import Counter
 
 from kvstore.config import StoreConfig
 from kvstore.keys import ModelFingerprint, root_of
@@ -166,6 +169,10 @@ class NodeStore:
         self.name = name
         self.timeout = config.node.timeout_ms / 1000
         self.metrics = StoreMetrics(port=config.metrics.port, host=config.metrics.host)  # this engine's counters
+        # reported to the daemon with the engine's other counters (kvstore.node.metrics)
+        self.failed_calls = Counter("kvstore_engine_node_failed_calls", "Calls to the node daemon that failed, by "
+                                    "op: no answer in time, a connection that could not be made or was closed, a "
+                                    "frame not sent whole", ["op"], registry=self.metrics.registry)
         self.rates = Rates(use=False)  # the daemon's store decides what is worth loading
         self.events = _Names() if events else None  # the daemon's blocks on this engine's KV-event stream
         self.path = f"{config.node.name}.sock in this user's socket folder"
@@ -323,6 +330,7 @@ class NodeStore:
                 if sock is not None:
                     sock.close()
                 self._failed(e)
+                self.failed_calls.labels("join").inc()
                 raise NodeUnavailable(f"{type(e).__name__}: {e}") from None
             self._links.append(link)
         self._tls.link = link
@@ -344,6 +352,19 @@ class NodeStore:
                 self.counts["pending_dropped"] += 1
             self._pending.append((gen, msg))
 
+    def _drop(self, link: _Link, op: str, e: BaseException) -> None:
+        """A call on ``link`` failed: the connection goes (an answer may still come on it, or the
+        daemon may be reading a frame of it half sent), counted by op, and the daemon is backed off
+        (it did not answer in time, or is gone), the attachment kept while it lives."""
+        with self._lock:
+            if link.sock is not None:
+                link.sock.close()
+                link.sock = None
+            if link.gen == self._gen:
+                self._failed(e)
+        self._tls.link = None
+        self.failed_calls.labels(op.rstrip("!")).inc()
+
     def _call(self, op: str, *args) -> tuple:
         """(the answer, the generation it came from)."""
         link = self._link()
@@ -355,13 +376,7 @@ class NodeStore:
             sent = True
             ok, res = wire.recv(link.sock, time.monotonic() + self.timeout)
         except (OSError, ValueError, AttributeError) as e:  # AttributeError: another thread closed it
-            with self._lock:  # this connection's answer may still come: it goes, the attachment stays
-                if link.sock is not None:
-                    link.sock.close()
-                    link.sock = None
-                if link.gen == self._gen:
-                    self._failed(e)
-            self._tls.link = None
+            self._drop(link, op, e)  # this connection's answer may still come: it goes, the attachment stays
             what = f"no answer within {self.timeout:.3f} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             raise NodeUnavailable(f"{op}: {what}", sent=sent or isinstance(e, TimeoutError)) from None
         self._delay = 0.0  # answered: the next failure backs off from the start
@@ -369,15 +384,29 @@ class NodeStore:
             raise RuntimeError(f"kvstore node {op}: {res}")
         return res, link.gen
 
+    def _cast(self, link: _Link, msg: list) -> bool:
+        """Send ``msg`` on this thread's ``link``, not waited for (``daemon.CASTS``): False if it
+        did not go whole (the connection closed then: the daemon drops a frame cut short)."""
+        try:
+            if link.sock.gettimeout() != self.timeout:
+                link.sock.settimeout(self.timeout)
+            wire.send(link.sock, msg)
+            return True
+        except (OSError, AttributeError) as e:  # AttributeError: another thread closed it
+            self._drop(link, msg[0], e)
+            return False
+
     def _end(self, gen: int, msg: list) -> None:
         """Send a handle's end, not waited for (``daemon.CASTS``); queued when it cannot go now."""
         try:
             link = self._link()
             if link.gen != gen:
                 return  # that daemon is gone: it ended everything
-            wire.send(link.sock, msg)
-        except (NodeUnavailable, OSError, AttributeError):
-            self._queue(gen, msg)
+            if self._cast(link, msg):
+                return
+        except NodeUnavailable:
+            pass
+        self._queue(gen, msg)
 
     def _opened(self, gen: int) -> None:
         with self._lock:
@@ -417,8 +446,8 @@ class NodeStore:
                    if x.name.startswith("kvstore_engine_") and x.name.endswith("_total")]
         if samples:
             try:
-                wire.send(self._link().sock, ["report!", samples[:MAX_SAMPLES]])
-            except (NodeUnavailable, OSError, AttributeError):
+                self._cast(self._link(), ["report!", samples[:MAX_SAMPLES]])
+            except NodeUnavailable:
                 pass
 
     def prefetch(self, keys: Sequence[bytes]) -> Future:
