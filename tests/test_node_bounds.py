@@ -14,9 +14,10 @@ import pytest
 from prometheus_client import Counter
 
 from conftest import blocks_for, make_keys
-from kvstore.node import metrics
+from kvstore.node import client, eventlog, metrics
+from kvstore.node.client import NodeStore
 from kvstore.node.metrics import MAX_SAMPLES, check_report
-from test_node import _answers, _state, _wait, daemon, engine, load, served, store, BB  # noqa: F401
+from test_node import _answers, _state, _wait, daemon, engine, load, metas_of, served, store, BB  # noqa: F401
 
 TAG = "kvstore_engine_tag_prompt_tokens"
 
@@ -90,6 +91,80 @@ def test_a_detached_engines_figures_keep_the_newest_label_sets_per_name_and_in_a
     assert d.metrics.series == 10 and list(d.metrics.retired) == ["e", "f"]
     _lifetime(d, cfg, "g", ["g0", "g1", "g2", "g3"])
     assert list(d.metrics.retired) == ["f", "g"] and d.metrics.series == 8  # the oldest name went
+
+
+# -- a reader's first read encoded every held block at once ----------------------------------------
+
+def _stored_with_names(e: NodeStore, n: int, seed: int) -> list:
+    keys = make_keys(n, seed=seed)
+    metas = metas_of(keys, seed)
+    e.events.remember(keys, metas)
+    assert store(e, keys, blocks_for(keys, BB)) == n
+    return metas
+
+
+def test_held_blocks_are_paged_from_one_snapshot_the_new_readers_share(daemon, monkeypatch):
+    """A new reader's first read encoded every block the daemon held (0.9 s at 50k blocks here,
+    past the engine's call timeout) and kept them all, per reader, until read."""
+    monkeypatch.setattr(eventlog, "HELD_PAGE", 4)
+    d, cfg = daemon(engine_share=1.0, timeout_ms=30_000)  # a take waits for its read, however slow the machine
+    a = engine(cfg, "a", events=True)
+    b, c = engine(cfg, "b", events=True), engine(cfg, "c", events=True)
+    try:
+        metas = _stored_with_names(a, 10, 4)
+        pages = [b.take_events()]
+        assert len(c.take_events()) == 4
+        rb, rc = attachment(d, "b").reader, attachment(d, "c").reader
+        assert rb.held is rc.held is not None  # one snapshot of the held keys, not a list of names per reader
+        pages += [b.take_events() for _ in range(3)]
+        assert [len(p) for p in pages] == [4, 4, 2, 0]
+        assert sorted(m.block_hash for p in pages for _, _, m in p) == sorted(m.block_hash for m in metas)
+        assert rb.held is None and rc.held is not None
+    finally:
+        for e in (a, b, c):
+            e.close()
+
+
+def test_a_slow_events_read_backs_off_no_other_call(daemon):
+    """An events read past the engine's timeout started the backoff: every lookup, pin and store
+    of the engine missed for 0.5 s and more, for a read that only announces blocks."""
+    d, cfg = daemon(engine_share=1.0)
+    a, b = engine(cfg, "a", events=True), engine(cfg, "b", events=True)
+    try:
+        assert b.take_events() == []
+        metas = _stored_with_names(a, 4, 5)
+        b.timeout = 1e-9  # the step waits for nothing: the read is late
+        got = b.take_events()
+        b.timeout = 0.5
+        assert b.contains_prefix(make_keys(4, seed=5), record=False).num_blocks == 4  # no backoff
+        _wait(lambda: got.extend(b.take_events()) or len(got) == 4, "the late read's records never came")
+        assert sorted(m.block_hash for _, _, m in got) == sorted(m.block_hash for m in metas)
+        assert b.counts["failures"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_events_reply_that_never_came_is_read_again(daemon, monkeypatch):
+    """The daemon's reader had moved past the records of a reply the engine never got: they were
+    never announced (a block stored, or removed, that the engine's stream never said)."""
+    d, cfg = daemon(engine_share=1.0)
+    a, b = engine(cfg, "a", events=True), engine(cfg, "b", events=True)
+    try:
+        assert b.take_events() == []
+        metas = _stored_with_names(a, 4, 6)
+        monkeypatch.setattr(client, "EVENTS_DEADLINE_S", 1e-9)  # the reply goes unread
+        assert b.take_events() == []
+        r = attachment(d, "b").reader
+        _wait(lambda: r.last[2] is not None and r.cursor > r.last[2], "the daemon never read the request")
+        monkeypatch.setattr(client, "EVENTS_DEADLINE_S", 30.0)
+        got = b.take_events()
+        assert sorted(m.block_hash for _, _, m in got) == sorted(m.block_hash for m in metas)
+        assert b.metrics.value("kvstore_engine_node_failed_calls_total", op="events") == 1
+        assert b.counts["failures"] == 0
+    finally:
+        a.close()
+        b.close()
 
 
 # -- a call not waited for kept its connection after it was cut short ------------------------------

@@ -31,7 +31,9 @@ last handle ends (a copy in flight never meets an unmapped or unregistered buffe
 **KV events** (``events``: vLLM publishes them). The engine's names of the blocks it stores go
 with their reservation, and :meth:`take_events` reads the daemon's records for this engine
 (:mod:`.eventlog`): on attach every block the daemon holds, then what is stored and removed, by
-any engine. So each engine announces on its own stream the daemon's blocks it can load.
+any engine. So each engine announces on its own stream the daemon's blocks it can load. The
+reads run on a thread of their own (:class:`_EventReads`, with its own connection), so a slow one
+costs the engine's step at most ``node.timeout_ms`` once, never a backoff of the other calls.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.5, 30.0)
 MAX_PENDING = 1 << 16  # ends of handles waiting for a working connection (one per handle at most)
+# how long the events thread waits for its reply (the engine's step waits node.timeout_ms at most):
+# a reply that comes late is still read, not lost; one that never comes is asked for again
+EVENTS_DEADLINE_S = 30.0
 
 
 class _Names:
@@ -92,6 +97,56 @@ class _Names:
         with self._lock:
             out = [self._meta.pop(k, None) for k in keys]
         return out if any(m is not None for m in out) else None
+
+
+class _EventReads:
+    """The daemon's KV-event records for this engine, read on a thread of its own (its own
+    connection, so its timeout never closes another thread's). A read is started by a take and
+    waited for by it at most ``wait_s``; a read still out when the next take comes is not waited
+    for again, and its records come with a later take. What waits here is at most one reply
+    (eventlog.READ_LIMIT records): a read starts only when one is taken."""
+
+    def __init__(self, store: "NodeStore") -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.got: list = []  # read, not taken yet
+        self.out = False  # a read is out
+        self.again = False  # the last read's reply never came (it may have been read there): ask for it again
+        self.wake, self.done = threading.Event(), threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def take(self, wait_s: float) -> list:
+        with self.lock:
+            start = not self.out
+            if start:
+                self.out = True
+                self.done.clear()
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._run, name="kvstore-node-events", daemon=True)
+                    self.thread.start()
+                self.wake.set()
+        if start:
+            self.done.wait(wait_s)
+        with self.lock:
+            out, self.got = self.got, []
+        return out
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if self.store._closed:
+                return
+            try:
+                recs = decode(self.store._call("events", self.again, timeout=EVENTS_DEADLINE_S, backoff=False)[0])
+                self.again = False
+            except (NodeUnavailable, RuntimeError) as e:
+                log.debug("kvstore node: events: %s", e)
+                recs, self.again = [], self.again or getattr(e, "sent", False)
+            with self.lock:
+                self.got.extend(recs)
+                self.out = False
+            self.done.set()
 
 
 class NodeUnavailable(ConnectionError):
@@ -175,6 +230,7 @@ class NodeStore:
                                     "frame not sent whole", ["op"], registry=self.metrics.registry)
         self.rates = Rates(use=False)  # the daemon's store decides what is worth loading
         self.events = _Names() if events else None  # the daemon's blocks on this engine's KV-event stream
+        self._reads = _EventReads(self)
         self.path = f"{config.node.name}.sock in this user's socket folder"
         self._clock = clock
         self._tls = threading.local()
@@ -352,32 +408,35 @@ class NodeStore:
                 self.counts["pending_dropped"] += 1
             self._pending.append((gen, msg))
 
-    def _drop(self, link: _Link, op: str, e: BaseException) -> None:
+    def _drop(self, link: _Link, op: str, e: BaseException, backoff: bool = True) -> None:
         """A call on ``link`` failed: the connection goes (an answer may still come on it, or the
-        daemon may be reading a frame of it half sent), counted by op, and the daemon is backed off
-        (it did not answer in time, or is gone), the attachment kept while it lives."""
+        daemon may be reading a frame of it half sent), counted by op; ``backoff``: and the daemon
+        is backed off (it did not answer in time, or is gone), the attachment kept while it lives."""
         with self._lock:
             if link.sock is not None:
                 link.sock.close()
                 link.sock = None
-            if link.gen == self._gen:
+            if backoff and link.gen == self._gen:
                 self._failed(e)
         self._tls.link = None
         self.failed_calls.labels(op.rstrip("!")).inc()
 
-    def _call(self, op: str, *args) -> tuple:
-        """(the answer, the generation it came from)."""
+    def _call(self, op: str, *args, timeout: float | None = None, backoff: bool = True) -> tuple:
+        """(the answer, the generation it came from), within ``timeout`` (node.timeout_ms);
+        ``backoff``: a failure backs the daemon off for every call (not for the events thread's
+        reads: a slow one says nothing of the daemon's other answers)."""
+        t = self.timeout if timeout is None else timeout
         link = self._link()
         sent = False
         try:
-            if link.sock.gettimeout() != self.timeout:  # lowered near a past call's deadline
-                link.sock.settimeout(self.timeout)
+            if link.sock.gettimeout() != t:  # lowered near a past call's deadline
+                link.sock.settimeout(t)
             wire.send(link.sock, [op, *args])
             sent = True
-            ok, res = wire.recv(link.sock, time.monotonic() + self.timeout)
+            ok, res = wire.recv(link.sock, time.monotonic() + t)
         except (OSError, ValueError, AttributeError) as e:  # AttributeError: another thread closed it
-            self._drop(link, op, e)  # this connection's answer may still come: it goes, the attachment stays
-            what = f"no answer within {self.timeout:.3f} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            self._drop(link, op, e, backoff)  # this connection's answer may still come: it goes, the attachment stays
+            what = f"no answer within {t:.3f} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             raise NodeUnavailable(f"{op}: {what}", sent=sent or isinstance(e, TimeoutError)) from None
         self._delay = 0.0  # answered: the next failure backs off from the start
         if not ok:
@@ -559,14 +618,11 @@ class NodeStore:
     # -- the rest of a store's face ------------------------------------------------------------------
     def take_events(self) -> list:
         """(stored, tier, BlockMeta) of the daemon's blocks since the last call ([] with events off
-        or without a daemon)."""
+        or without a daemon): what the events thread read, waited for at most node.timeout_ms
+        (:class:`_EventReads`)."""
         if self.events is None or self._closed:
             return []
-        try:
-            return decode(self._call("events")[0])
-        except (NodeUnavailable, RuntimeError) as e:
-            log.debug("kvstore node: events: %s", e)
-            return []
+        return self._reads.take(self.timeout)
 
     def update_gauges(self) -> None:
         """Nothing to bring up to date here: the daemon's gauges are its own."""
@@ -591,6 +647,7 @@ class NodeStore:
             if self._closed:
                 return
             self._closed = True
+            self._reads.wake.set()  # its thread ends
             self._detach()
             retired, self._retired = list(self._retired.values()), {}
         with self._prefetch_lock:

@@ -333,9 +333,11 @@ def _serve(a: Attachment, msg: list, metrics: NodeMetrics | None = None) -> Any:
                 metrics.skipped(len(bad))
             raise ValueError(f"report: {len(bad)} samples skipped (the rest kept), the first {bad[0]}")
         return None
-    if op == "events":
-        _args(msg, 0)
-        return a.log.read(a.reader)
+    if op == "events":  # [events], or [events, again]: the reply to the last never came
+        again = msg[1] if len(msg) == 2 else False
+        if len(msg) > 2 or type(again) is not bool:
+            raise ValueError("events: no argument, or one: again (a boolean)")
+        return a.log.read(a.reader, again)
     if op == "stats":
         st, dram = a.store.stats(), a.store.dram
         with dram.lock:
