@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 from prometheus_client import Counter
 
-from conftest import blocks_for, make_keys
-from kvstore.node import client, eventlog, metrics
+from conftest import FP, blocks_for, make_keys
+from kvstore.config import from_dict
+from kvstore.node import client, daemon as node_daemon, eventlog, metrics
 from kvstore.node.client import NodeStore
+from kvstore.node.daemon import _serve
+from kvstore.node.eventlog import meta_cap
 from kvstore.node.metrics import MAX_SAMPLES, check_report
+from kvstore.store.events import BlockMeta
 from test_node import _answers, _state, _wait, daemon, engine, load, metas_of, served, store, BB  # noqa: F401
 
 TAG = "kvstore_engine_tag_prompt_tokens"
@@ -165,6 +169,83 @@ def test_an_events_reply_that_never_came_is_read_again(daemon, monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+# -- a block's name could be 64 KiB, a reply past the frame limit ----------------------------------
+
+def test_a_name_longer_than_its_block_allows_is_refused(daemon):
+    """A block's name could be 64 KiB (65,536 records of them, 4 GiB): it is its tokens at 4 bytes
+    each and 1 KiB for the rest."""
+    d, cfg = daemon()
+    a = engine(cfg, "a", events=True)
+    try:
+        att, keys = attachment(d, "a"), make_keys(1, seed=7)
+        cap = 4 * FP.block_size + 1024
+        assert meta_cap(FP.block_size) == cap
+        with pytest.raises(ValueError, match=f"at most {cap} bytes"):
+            _serve(att, ["begin_store", 11, keys, None, [b"x" * (cap + 1)]])
+        assert att.held == 0 and not att.stores
+        long = BlockMeta(b"h" * 32, None, tuple(range(16)), lora_name="l" * cap)  # over the cap: not sent
+        a.events.remember(keys, [long])
+        assert store(a, keys, blocks_for(keys, BB)) == 1 and a.events.too_long == 1  # stored, not announced
+    finally:
+        a.close()
+
+
+def test_names_are_kept_only_for_the_blocks_reserved(daemon, monkeypatch):
+    """The daemon kept the name of every block of a reservation, stored already or past the
+    engine's share as well, until two drains later."""
+    monkeypatch.setattr(node_daemon, "DRAIN_S", 3600.0)  # nothing forgets a name meanwhile
+    d, cfg = daemon(dram_blocks=16, engine_share=0.25)  # 4 slots an engine
+    a, b = engine(cfg, "a", events=True), engine(cfg, "b")
+    try:
+        keys = make_keys(8, seed=8)
+        assert store(b, keys[:2], blocks_for(keys[:2], BB)) == 2
+        a.events.remember(keys, metas_of(keys, 8))
+        h = a.begin_store(keys)
+        assert [v is not None for v in h.views] == [False] * 2 + [True] * 4 + [False] * 2
+        assert set(next(iter(d.stores.values())).events.meta) == set(keys[2:6])
+        a.end_store(h, False)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_events_reply_stays_far_under_the_frame_limit(daemon):
+    """1,100 held blocks of 4,096 tokens (16 KiB names) were one 18 MiB reply: past the wire's
+    16 MiB frame, refused by the engine, so it never announced any."""
+    from kvstore.node.wire import MAX_FRAME
+
+    d, cfg = daemon(dram_blocks=80, engine_share=1.0, timeout_ms=30_000)  # 1,280 slots of 4 KiB; a take, a read
+    conf = from_dict(cfg)
+
+    def big(name: str) -> NodeStore:  # blocks of 4 KiB and 4,096 tokens: a store of their own
+        return NodeStore(conf, block_bytes=4096, fingerprint=FP, block_tokens=4096, name=name, events=True)
+
+    n, a = 1100, big("a")
+    try:
+        keys = make_keys(n, seed=9)
+        metas = [BlockMeta(bytes([i % 256, i // 256]) * 16, None, tuple(range(i, i + 4096))) for i in range(n)]
+        for i in range(0, n, 100):
+            a.events.remember(keys[i:i + 100], metas[i:i + 100])
+            assert store(a, keys[i:i + 100], blocks_for(keys[i:i + 100], 4096)) == 100
+        assert sum(len(m.encode()) for m in metas) > MAX_FRAME
+        late, got, sizes = big("late"), [], []
+
+        def more() -> bool:
+            recs = late.take_events()
+            got.extend(recs)
+            sizes.append(sum(len(m.encode()) for _, _, m in recs))
+            return len(got) >= n
+
+        try:
+            _wait(more, "the held blocks never came", timeout=60)
+        finally:
+            late.close()
+        assert sorted(m.block_hash for _, _, m in got) == sorted(m.block_hash for m in metas)
+        assert max(sizes) <= eventlog.READ_BYTES + meta_cap(4096) < MAX_FRAME // 2
+    finally:
+        a.close()
 
 
 # -- a call not waited for kept its connection after it was cut short ------------------------------

@@ -58,7 +58,7 @@ from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
 from kvstore.node.attachment import new_id
 from kvstore.node.daemon import socket_name
-from kvstore.node.eventlog import decode
+from kvstore.node.eventlog import decode, meta_cap
 from kvstore.node.metrics import MAX_SAMPLES, REPORT_S
 from kvstore.node.slab import SharedSlab
 from kvstore.offload.sockdir import SocketTrustError, open_folder, path_in, peer_uid, who
@@ -78,18 +78,26 @@ EVENTS_DEADLINE_S = 30.0
 
 class _Names:
     """The engine's names of the blocks it is about to store (the mover's ``events.remember``),
-    until their reservation takes them to the daemon; the oldest go past MAX_PENDING."""
+    until their reservation takes them to the daemon; the oldest go past MAX_PENDING. A name
+    longer than the daemon takes (``eventlog.meta_cap``) is dropped, counted: its block is stored,
+    never announced."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int) -> None:
         self._meta: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
+        self.cap = cap
+        self.too_long = 0
 
     def remember(self, keys: Sequence[bytes], metas: Sequence[BlockMeta | None]) -> None:
         with self._lock:
             for k, m in zip(keys, metas):
                 if m is not None:
                     self._meta.pop(k, None)
-                    self._meta[k] = m.encode()
+                    body = m.encode()
+                    if len(body) <= self.cap:
+                        self._meta[k] = body
+                    else:
+                        self.too_long += 1
             for k in list(self._meta)[:max(0, len(self._meta) - MAX_PENDING)]:
                 del self._meta[k]
 
@@ -104,7 +112,7 @@ class _EventReads:
     connection, so its timeout never closes another thread's). A read is started by a take and
     waited for by it at most ``wait_s``; a read still out when the next take comes is not waited
     for again, and its records come with a later take. What waits here is at most one reply
-    (eventlog.READ_LIMIT records): a read starts only when one is taken."""
+    (eventlog.READ_LIMIT records, READ_BYTES of names): a read starts only when one is taken."""
 
     def __init__(self, store: "NodeStore") -> None:
         self.store = store
@@ -229,7 +237,7 @@ class NodeStore:
                                     "op: no answer in time, a connection that could not be made or was closed, a "
                                     "frame not sent whole", ["op"], registry=self.metrics.registry)
         self.rates = Rates(use=False)  # the daemon's store decides what is worth loading
-        self.events = _Names() if events else None  # the daemon's blocks on this engine's KV-event stream
+        self.events = _Names(meta_cap(self.block_tokens)) if events else None  # on this engine's KV-event stream
         self._reads = _EventReads(self)
         self.path = f"{config.node.name}.sock in this user's socket folder"
         self._clock = clock

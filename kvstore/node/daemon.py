@@ -32,7 +32,7 @@ from kvstore.config import ConfigError, StoreConfig
 from kvstore.keys import ModelFingerprint, root_of
 from kvstore.node import wire
 from kvstore.node.attachment import Attachment
-from kvstore.node.eventlog import DRAIN_S, EventLog
+from kvstore.node.eventlog import DRAIN_S, EventLog, meta_cap
 from kvstore.node.metrics import NodeMetrics, check_report
 from kvstore.offload.frames import serve_timeouts
 from kvstore.offload.private_server import PrivateServer
@@ -276,16 +276,15 @@ def _int(v, lo: int = 0) -> int:
     return v
 
 
-MAX_META = 1 << 16  # bytes of one block's engine name (its token ids: 4 bytes each)
-
-
-def _metas(v, n: int) -> list:
-    """The engine's names of the blocks it stores, for the KV events (None: none)."""
+def _metas(v, n: int, cap: int) -> list:
+    """The engine's names of the blocks it stores, for the KV events (None: none); each at most
+    ``cap`` bytes (eventlog.meta_cap of the store's block: a name is kept per block held, and
+    travels in every new reader's first pages)."""
     if v is None:
         return []
-    if not isinstance(v, list) or len(v) != n or not all(m is None or (isinstance(m, bytes) and len(m) <= MAX_META)
+    if not isinstance(v, list) or len(v) != n or not all(m is None or (isinstance(m, bytes) and len(m) <= cap)
                                                        for m in v):
-        raise ValueError(f"metas: null, or a list of {n} entries, each null or at most {MAX_META} bytes")
+        raise ValueError(f"metas: null, or a list of {n} entries, each null or at most {cap} bytes")
     return [None if m is None else BlockMeta.decode(m) for m in v]
 
 
@@ -315,10 +314,13 @@ def _serve(a: Attachment, msg: list, metrics: NodeMetrics | None = None) -> Any:
     if op == "begin_store":
         sid, keys, ttl, metas = _args(msg, 4)
         keys, ttl = _keys(keys), check_ttl(ttl)
-        metas = _metas(metas, len(keys))
-        if metas and a.store.events is not None:
-            a.store.events.remember(keys, metas)
-        return [_slot(e) for e in a.begin_store(sid, keys, ttl)]
+        metas = _metas(metas, len(keys), meta_cap(a.store.block_tokens))
+        entries = a.begin_store(sid, keys, ttl)
+        if metas and a.store.events is not None:  # the names of the blocks reserved (none is published before
+            # their end_store, sent after this answer); one stored already keeps the name it has
+            mine = [i for i, e in enumerate(entries) if e is not None and metas[i] is not None]
+            a.store.events.remember([keys[i] for i in mine], [metas[i] for i in mine])
+        return [_slot(e) for e in entries]
     if op == "end_store":
         sid, oks = _args(msg, 2)
         return a.end_store(sid, oks)

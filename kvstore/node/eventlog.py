@@ -11,7 +11,7 @@ engine reads from its own cursor:
   is still there, is encoded a page a read (all at once, 50k blocks took 0.9 s here, 0.2 s to list
   and 0.65 s to encode, past an engine's call timeout); then the records after that point: what it announces
   matches what it could load;
-* a reader the log ran past (its records dropped, the log at ``MAX_RECORDS``) is
+* a reader the log ran past (its records dropped, the log at ``MAX_RECORDS`` or ``MAX_BYTES``) is
   counted (``lost``) and reads the held blocks again: stale BlockStored records are corrected, but a
   removal it missed may stay announced until the block is stored and removed again;
 * a read whose reply never reached the engine is asked for again (``again``): the reader goes back
@@ -30,9 +30,22 @@ from collections import deque
 from kvstore.store.events import STORED, BlockMeta
 
 MAX_RECORDS = 1 << 16  # ~20 s of a busy engine's stores and evictions at 3k blocks/s
+# and at most this many bytes of names: 65,536 records of 16-token blocks are ~14 MiB (a 64-hex
+# hash, its parent's, 64 bytes of tokens), of 1,024-token blocks ~265 MiB without it
+MAX_BYTES = 64 << 20
 READ_LIMIT = 4096  # records one read returns (the log's are encoded already: a copy of references)
 HELD_PAGE = 1024  # held blocks one read looks at: 6-13 ms of encoding their names (6-13 us a block)
+# bytes of names one read returns (past the first record): a reply stays under 4 MiB plus one
+# record (at most meta_cap(1M tokens), 4 MiB), well under the wire's 16 MiB frame
+READ_BYTES = 4 << 20
 DRAIN_S = 0.5
+
+
+def meta_cap(block_tokens: int) -> int:
+    """The most bytes of one block's name (``BlockMeta.encode``): its tokens at 4 bytes each, and
+    1 KiB for the rest (two 64-hex hashes and the JSON around them are ~150 bytes; the rest leaves
+    room for a LoRA name, a cache salt or a few multimodal hashes). A longer name is not announced."""
+    return 4 * block_tokens + 1024
 
 
 class Reader:
@@ -50,6 +63,7 @@ class EventLog:
     def __init__(self, store):
         self.store = store
         self.records: deque = deque()
+        self.bytes = 0  # of the names in records
         self.first = 0  # the number of records[0]
         self.lost = 0  # readers the log ran past
         self.lock = threading.Lock()
@@ -69,14 +83,14 @@ class EventLog:
             recs = [[stored, tier, m.encode()] for stored, tier, m in recs]
             with self.lock:
                 self.records.extend(recs)
-                over = max(0, len(self.records) - MAX_RECORDS)
-                for _ in range(over):
-                    self.records.popleft()
-                self.first += over
+                self.bytes += sum(len(rec[2]) for rec in recs)
+                while self.records and (len(self.records) > MAX_RECORDS or self.bytes > MAX_BYTES):
+                    self.bytes -= len(self.records.popleft()[2])
+                    self.first += 1
 
     def read(self, r: Reader, again: bool = False) -> list:
-        """The records ``r`` has not read, at most READ_LIMIT. ``again``: the reply to the last read
-        never came; it is read again."""
+        """The records ``r`` has not read: at most READ_LIMIT, and READ_BYTES of names past the
+        first. ``again``: the reply to the last read never came; it is read again."""
         with r.lock:
             self.drain()
             if again and r.last is not None:
@@ -93,8 +107,12 @@ class EventLog:
                 if out or r.held is not None:
                     return out
             with self.lock:
-                i = r.cursor - self.first
-                out = [self.records[j] for j in range(i, min(len(self.records), i + READ_LIMIT))]
+                i, out, size = r.cursor - self.first, [], 0
+                for j in range(i, min(len(self.records), i + READ_LIMIT)):
+                    if out and size >= READ_BYTES:
+                        break
+                    out.append(self.records[j])
+                    size += len(self.records[j][2])
             r.cursor += len(out)
             return out
 
@@ -116,11 +134,11 @@ class EventLog:
         return end, held
 
     def _page(self, r: Reader) -> list:
-        """The next page of ``r``'s held blocks (HELD_PAGE keys looked at); ``r.held`` is None
-        once they are all read."""
-        meta, out = self.store.events.meta, []
+        """The next page of ``r``'s held blocks (HELD_PAGE keys looked at, READ_BYTES of names);
+        ``r.held`` is None once they are all read."""
+        meta, out, size = self.store.events.meta, [], 0
         (i, j), looked = r.at, 0
-        while i < len(r.held) and looked < HELD_PAGE:
+        while i < len(r.held) and looked < HELD_PAGE and not (out and size >= READ_BYTES):
             tier, keys = r.held[i]
             if j >= len(keys):
                 i, j = i + 1, 0
@@ -128,7 +146,9 @@ class EventLog:
             m = meta.get(keys[j])
             j, looked = j + 1, looked + 1
             if m is not None:  # no name (an engine without events), or it went since the snapshot
-                out.append([STORED, tier, m.encode()])
+                body = m.encode()
+                out.append([STORED, tier, body])
+                size += len(body)
         r.at = (i, j)
         if i >= len(r.held):
             r.held = None
