@@ -130,6 +130,18 @@ class LocalRedis:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: its keys are gone, it keeps nothing on disk)."""
+        p, self.proc = self.proc, None
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        _LIVE.discard(self)
+
+    def restart(self) -> "LocalRedis":
+        """Start it again, empty, on the same port and folder (after :meth:`kill`)."""
+        return self._start()
+
     def __enter__(self) -> "LocalRedis":
         return self
 
