@@ -24,6 +24,9 @@ from kvstore.store.events import BlockMeta
 from test_node import _answers, _state, _wait, daemon, engine, load, metas_of, served, store, BB  # noqa: F401
 
 TAG = "kvstore_engine_tag_prompt_tokens"
+# node.timeout_ms of these tests: a call or a take waits for its answer however slow the shared
+# machine is (an attach of 200 ms timed out under load); a test of a timeout sets its own
+PATIENT_MS = 30_000
 
 
 def attachment(d, name: str):
@@ -40,7 +43,7 @@ def skipped_samples(d) -> float:
 def test_a_report_keeps_its_good_samples_and_counts_the_bad(daemon):
     """Request tags are up to 256 characters, labels were refused past 128: one such tag refused
     the engine's whole report, so none of its figures reached the daemon."""
-    d, cfg = daemon()
+    d, cfg = daemon(timeout_ms=PATIENT_MS)
     e = engine(cfg, "e")
     try:
         Counter("kvstore_engine_prompt_tokens", "", registry=e.metrics.registry).inc(100)
@@ -86,7 +89,7 @@ def test_a_detached_engines_figures_keep_the_newest_label_sets_per_name_and_in_a
     name's figures, kept for the daemon's life."""
     monkeypatch.setattr(metrics, "MAX_RETIRED_SERIES_PER_NAME", 6)
     monkeypatch.setattr(metrics, "MAX_RETIRED_SERIES", 10)
-    d, cfg = daemon()
+    d, cfg = daemon(timeout_ms=PATIENT_MS)
     for i in range(3):
         _lifetime(d, cfg, "e", [f"{i}-{j}" for j in range(4)])
     kept = [dict(labels)["tag"] for _, labels in d.metrics.retired["e"][1]]
@@ -111,7 +114,7 @@ def test_held_blocks_are_paged_from_one_snapshot_the_new_readers_share(daemon, m
     """A new reader's first read encoded every block the daemon held (0.9 s at 50k blocks here,
     past the engine's call timeout) and kept them all, per reader, until read."""
     monkeypatch.setattr(eventlog, "HELD_PAGE", 4)
-    d, cfg = daemon(engine_share=1.0, timeout_ms=30_000)  # a take waits for its read, however slow the machine
+    d, cfg = daemon(engine_share=1.0, timeout_ms=PATIENT_MS)
     a = engine(cfg, "a", events=True)
     b, c = engine(cfg, "b", events=True), engine(cfg, "c", events=True)
     try:
@@ -132,14 +135,14 @@ def test_held_blocks_are_paged_from_one_snapshot_the_new_readers_share(daemon, m
 def test_a_slow_events_read_backs_off_no_other_call(daemon):
     """An events read past the engine's timeout started the backoff: every lookup, pin and store
     of the engine missed for 0.5 s and more, for a read that only announces blocks."""
-    d, cfg = daemon(engine_share=1.0)
+    d, cfg = daemon(engine_share=1.0, timeout_ms=PATIENT_MS)
     a, b = engine(cfg, "a", events=True), engine(cfg, "b", events=True)
     try:
         assert b.take_events() == []
         metas = _stored_with_names(a, 4, 5)
         b.timeout = 1e-9  # the step waits for nothing: the read is late
         got = b.take_events()
-        b.timeout = 0.5
+        b.timeout = PATIENT_MS / 1000
         assert b.contains_prefix(make_keys(4, seed=5), record=False).num_blocks == 4  # no backoff
         _wait(lambda: got.extend(b.take_events()) or len(got) == 4, "the late read's records never came")
         assert sorted(m.block_hash for _, _, m in got) == sorted(m.block_hash for m in metas)
@@ -152,7 +155,7 @@ def test_a_slow_events_read_backs_off_no_other_call(daemon):
 def test_an_events_reply_that_never_came_is_read_again(daemon, monkeypatch):
     """The daemon's reader had moved past the records of a reply the engine never got: they were
     never announced (a block stored, or removed, that the engine's stream never said)."""
-    d, cfg = daemon(engine_share=1.0)
+    d, cfg = daemon(engine_share=1.0, timeout_ms=PATIENT_MS)
     a, b = engine(cfg, "a", events=True), engine(cfg, "b", events=True)
     try:
         assert b.take_events() == []
@@ -176,7 +179,7 @@ def test_an_events_reply_that_never_came_is_read_again(daemon, monkeypatch):
 def test_a_name_longer_than_its_block_allows_is_refused(daemon):
     """A block's name could be 64 KiB (65,536 records of them, 4 GiB): it is its tokens at 4 bytes
     each and 1 KiB for the rest."""
-    d, cfg = daemon()
+    d, cfg = daemon(timeout_ms=PATIENT_MS)
     a = engine(cfg, "a", events=True)
     try:
         att, keys = attachment(d, "a"), make_keys(1, seed=7)
@@ -196,7 +199,7 @@ def test_names_are_kept_only_for_the_blocks_reserved(daemon, monkeypatch):
     """The daemon kept the name of every block of a reservation, stored already or past the
     engine's share as well, until two drains later."""
     monkeypatch.setattr(node_daemon, "DRAIN_S", 3600.0)  # nothing forgets a name meanwhile
-    d, cfg = daemon(dram_blocks=16, engine_share=0.25)  # 4 slots an engine
+    d, cfg = daemon(dram_blocks=16, engine_share=0.25, timeout_ms=PATIENT_MS)  # 4 slots an engine
     a, b = engine(cfg, "a", events=True), engine(cfg, "b")
     try:
         keys = make_keys(8, seed=8)
@@ -216,7 +219,7 @@ def test_an_events_reply_stays_far_under_the_frame_limit(daemon):
     16 MiB frame, refused by the engine, so it never announced any."""
     from kvstore.node.wire import MAX_FRAME
 
-    d, cfg = daemon(dram_blocks=80, engine_share=1.0, timeout_ms=30_000)  # 1,280 slots of 4 KiB; a take, a read
+    d, cfg = daemon(dram_blocks=80, engine_share=1.0, timeout_ms=PATIENT_MS)  # 1,280 slots of 4 KiB
     conf = from_dict(cfg)
 
     def big(name: str) -> NodeStore:  # blocks of 4 KiB and 4,096 tokens: a store of their own
@@ -253,7 +256,7 @@ def test_an_events_reply_stays_far_under_the_frame_limit(daemon):
 def test_a_cast_not_sent_whole_closes_its_connection_and_is_counted(served):
     """The end of a handle and a report (sent, not waited for) kept using their connection after
     a send that timed out part way: the daemon then read the next frame from the middle of the cut one."""
-    s = served(timeout_ms=200)
+    s = served(timeout_ms=PATIENT_MS)
     a, b = engine(s.cfg, "a"), engine(s.cfg, "b")
     try:
         keys = make_keys(2, seed=10)
@@ -265,8 +268,9 @@ def test_a_cast_not_sent_whole_closes_its_connection_and_is_counted(served):
             tags.labels(f"{i:03d}" + "t" * 250).inc()  # a report of ~140 KiB
         os.kill(s.proc.pid, signal.SIGSTOP)
         _wait(lambda: _state(s.proc.pid) == "T", "the daemon did not stop")
-        for e, link, cast in ((a, la, lambda: a._end(a._gen, ["end_store!", 12345, [False] * 50_000])),
-                              (b, lb, lambda: b._report(force=True))):
+        a.timeout = b.timeout = 0.2  # a send the daemon does not read gives up after this
+        for link, cast in ((la, lambda: a._end(a._gen, ["end_store!", 12345, [False] * 50_000])),
+                           (lb, lambda: b._report(force=True))):
             for _ in range(50):  # the daemon reads nothing: the connection fills, then a send times out
                 if link.sock is None:
                     break
@@ -274,6 +278,7 @@ def test_a_cast_not_sent_whole_closes_its_connection_and_is_counted(served):
             assert link.sock is None, "the connection of a send cut short is still used"
         assert a.metrics.value("kvstore_engine_node_failed_calls_total", op="end_store") == 1
         assert b.metrics.value("kvstore_engine_node_failed_calls_total", op="report") == 1
+        a.timeout = b.timeout = PATIENT_MS / 1000
         os.kill(s.proc.pid, signal.SIGCONT)
         _wait(lambda: _answers(a) and _answers(b), "the engines never answered again", timeout=40)
         got = load(b, keys)
