@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -280,6 +281,7 @@ def run(a: argparse.Namespace) -> dict:
             r.stop()
         if disk:
             subprocess.run(["umount", "-l", disk], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)  # the model, vLLM's answers, the NVMe folder
     end = time.monotonic() - t0
     res = _result(a, spec, log, track, fault_log, names, end, stopped_clean)
     res["out"] = out
