@@ -218,7 +218,7 @@ def run(a: argparse.Namespace) -> dict:
                                  "--num-gpu-blocks-override", str(a.gpu_blocks)])
     rig = soak_faults.Rig(server, r, daemon, nvme, disk, fp_file, a.seed)
     log, track, fault_log = Log(), soak_watch.Track(), []
-    stop, done_faults = threading.Event(), threading.Event()
+    stop = threading.Event()
     run_s = a.minutes * 60
     try:
         if daemon:
@@ -232,44 +232,48 @@ def run(a: argparse.Namespace) -> dict:
         for w in workers:
             w.start()
 
-        def faults() -> None:
-            span = run_s * (1 - 2 * QUIET_SHARE)
-            for i, f in enumerate(names):
-                at = run_s * QUIET_SHARE + span * i / max(1, len(names))
-                while time.monotonic() - t0 < at and not stop.is_set():
-                    stop.wait(0.5)
-                if stop.is_set():
-                    return
-                start = time.monotonic() - t0
-                print(f"kvstore bench soak: {start / 60:5.1f} min: {f}", flush=True)
-                try:
-                    detail, ok = soak_faults.FAULTS[f](rig), True
-                except Exception as e:  # the fault itself failed (e.g. the server never came back)
-                    detail, ok = {"error": str(e)[-2000:]}, False
-                fault_log.append({"name": f, "start": round(start, 1), "end": round(time.monotonic() - t0, 1),
-                                  "ran": ok, **detail})
-            done_faults.set()
-
-        ft = threading.Thread(target=faults, name="soak-faults", daemon=True)
-        ft.start()
         sample_s = max(2.0, run_s / 400)
         redis_url = r.url.replace("redis://", f"redis://:{r.password}@") if r else None
-        while True:
-            t = time.monotonic() - t0
-            recent = [x[2] for x in log.window(t - 30, t) if x[3] == "ok"]
-            procs = {**server.pids(), **({"daemon": daemon.pid()} if daemon else {})}
-            s = soak_watch.sample(procs, nvme_path=nvme, redis_url=redis_url,
-                                  metrics_url=f"http://127.0.0.1:{mport}/metrics")
-            with log.lock:
-                s.update({"ttft.p50_ms": (_pct(recent, 0.5) or 0) * 1000, "ttft.p99_ms": (_pct(recent, 0.99) or 0) * 1000,
-                          "requests.failed": sum(log.errors.values()), "requests.wrong": len(log.wrong),
-                          "requests.done": len(log.rows)})
-            track.add(t, s)
-            tail = max(60.0, run_s * QUIET_SHARE)
-            last_end = fault_log[-1]["end"] if fault_log else 0.0
-            if t >= run_s and (done_faults.is_set() or not names) and t >= last_end + tail:
-                break
-            stop.wait(sample_s)
+
+        def watch() -> None:
+            while not stop.is_set():
+                t = time.monotonic() - t0
+                recent = [x[2] for x in log.window(t - 30, t) if x[3] == "ok"]
+                procs = {**server.pids(), **({"daemon": daemon.pid()} if daemon else {})}
+                s = soak_watch.sample(procs, nvme_path=nvme, redis_url=redis_url,
+                                      metrics_url=f"http://127.0.0.1:{mport}/metrics")
+                with log.lock:
+                    s.update({"ttft.p50_ms": (_pct(recent, 0.5) or 0) * 1000,
+                              "ttft.p99_ms": (_pct(recent, 0.99) or 0) * 1000,
+                              "requests.failed": sum(log.errors.values()), "requests.wrong": len(log.wrong),
+                              "requests.done": len(log.rows)})
+                track.add(t, s)
+                stop.wait(sample_s)
+
+        watcher = threading.Thread(target=watch, name="soak-watch", daemon=True)
+        watcher.start()
+        # the faults run in this thread: a Redis restarted by a thread that ends dies with it
+        # (redis_local's PR_SET_PDEATHSIG is the parent *thread's*: a 60-minute run lost its Redis
+        # for good when a faults thread ended)
+        span = run_s * (1 - 2 * QUIET_SHARE)
+        for i, f in enumerate(names):
+            at = run_s * QUIET_SHARE + span * i / max(1, len(names))
+            while time.monotonic() - t0 < at:
+                time.sleep(0.5)
+            start = time.monotonic() - t0
+            print(f"kvstore bench soak: {start / 60:5.1f} min: {f}", flush=True)
+            try:
+                detail, ok = soak_faults.FAULTS[f](rig), True
+            except Exception as e:  # the fault itself failed (e.g. the server never came back)
+                detail, ok = {"error": str(e)[-2000:]}, False
+            fault_log.append({"name": f, "start": round(start, 1), "end": round(time.monotonic() - t0, 1),
+                              "ran": ok, **detail})
+        last_end = fault_log[-1]["end"] if fault_log else 0.0
+        end_at = max(run_s, last_end + max(60.0, run_s * QUIET_SHARE))
+        while time.monotonic() - t0 < end_at:
+            time.sleep(0.5)
+        stop.set()
+        watcher.join(60)
     finally:
         stop.set()
         for w in locals().get("workers", []):
@@ -338,6 +342,11 @@ def _result(a, spec, log: Log, track, fault_log: list[dict], names: list[str], e
     problems += [f"{x['name']} grows: {x['reason']}" for x in lim if not x["ok"]]
     if not clean:
         problems.append("the server did not stop within 120 s of SIGTERM at the end")
+    last = track.rows[-1][1] if track.rows else {}
+    for what, name in (("the engine", "engine.rss_mb"), ("Redis", "redis.keys" if a.redis == "on" else None),
+                       ("the daemon", "daemon.rss_mb" if a.node else None)):
+        if name and name not in last:  # everything the faults took down is up again at the end
+            problems.append(f"{what} is not up at the end of the run")
     hits = _hits(track)
     kinds = Counter(r[1] for r in rows)
     return {"minutes": round(end / 60, 1), "requests": len(rows), "by_kind": dict(kinds), "wrong": wrong,
