@@ -290,7 +290,7 @@ def run(a: argparse.Namespace) -> dict:
     res = _result(a, spec, log, track, fault_log, names, end, stopped_clean)
     res["out"] = out
     with open(os.path.join(out, "soak.json"), "w") as f:
-        json.dump({**res, "track": track.to_json(), "wrong": log.wrong}, f)
+        json.dump({**res, "track": track.to_json(), "wrong_answers": log.wrong}, f)
     soak_watch.plot(track, os.path.join(out, "soak.png"), marks=[(f["start"], f["name"]) for f in fault_log],
                     title=f"kvstore bench soak: {end / 60:.0f} min, {len(log.rows)} requests, "
                           f"{res['wrong']} wrong")
@@ -305,7 +305,7 @@ def _result(a, spec, log: Log, track, fault_log: list[dict], names: list[str], e
     rows = log.rows
     wrong = sum(1 for r in rows if r[3] == "wrong")
     if wrong:
-        problems.append(f"{wrong} wrong answers (the first {len(log.wrong)} kept in soak.json)")
+        problems.append(f"{wrong} wrong answers (the first {len(log.wrong)} kept in soak.json's wrong_answers)")
     for f in fault_log:  # survived: ran, and a right answer came within RECOVER_S of its end
         after = [r for r in rows if r[0] >= f["end"]]
         first_ok = next((r[0] for r in after if r[3] == "ok"), None)

@@ -44,8 +44,8 @@ def pair(tmp_path, redis_single, monkeypatch):  # noqa: F811
     a = _store(tmp_path, "a", redis_single, monkeypatch=monkeypatch)
     b = _store(tmp_path, "b", redis_single)
     yield a, b
-    a.close()
-    b.close()
+    a.close(wait_s=0)  # pins a test left open: not waited for (30 s each)
+    b.close(wait_s=0)
 
 
 @pytest.fixture(params=["single", "cluster"])
