@@ -232,12 +232,15 @@ class NodeConfig:
     private socket folder (several daemons: several names). ``timeout_ms``: the longest an engine
     waits for one call; a dead or stuck daemon is a miss and a backoff, never an error.
     ``max_engines``: engines served at once. ``engine_share``: the part of the DRAM slots one engine
-    may hold pinned or reserved at once, so no engine starves the others."""
+    may hold pinned or reserved at once, so no engine starves the others. ``tiers.dram.capacity_gb``
+    is the host's budget for every model the daemon serves (one LRU across them,
+    kvstore.node.budget); ``model_quota_gb``: caps for some models (model name: GiB)."""
 
     name: str = _f("node", F.name)
     timeout_ms: int = _f(500, F.integer, minimum=1, maximum=60_000)
     max_engines: int = _f(64, F.integer, minimum=1, maximum=4096)
     engine_share: float = _f(0.5, F.number, minimum=0.01, maximum=1.0)
+    model_quota_gb: dict = _f(None, F.quotas)
 
 
 @dataclass(frozen=True)

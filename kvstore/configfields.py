@@ -140,6 +140,23 @@ def name(key: str, v: Any) -> str:
     raise ConfigError(key, v, "1 to 64 letters, digits, '.', '_' or '-' (not starting with '.')")
 
 
+def quotas(key: str, v: Any) -> dict[str, float] | None:
+    """Per-model caps in GiB: a mapping of model names (as vLLM names the model: its path or hub
+    name) to a positive number; null or {}: none (null)."""
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict) or len(v) > 64:
+        raise ConfigError(key, v, "a mapping of at most 64 model names to GiB (a positive number), or null")
+    out = {}
+    for m, gb in v.items():
+        if not isinstance(m, str) or not m or len(m) > 1024 or "\0" in m:
+            raise ConfigError(key, m, "model names: strings of 1 to 1024 characters, no NUL")
+        if not _real(gb, 0.0, MAX_GB) or gb <= 0:
+            raise ConfigError(f"{key}.{m}", gb, f"a number of GiB > 0, at most {MAX_GB:g}")
+        out[m] = float(gb)
+    return out
+
+
 def path(key: str, v: Any, *, what: str, expand: bool = False) -> str | None:
     if v is not None and (not isinstance(v, str) or not v.strip() or "\0" in v):
         raise ConfigError(key, v, f"a {what} path (string, no NUL bytes) or null")

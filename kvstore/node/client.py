@@ -301,7 +301,8 @@ class NodeStore:
             res = self._hello(sock, ["attach", fp, self.root, self.block_bytes, self.block_tokens, self.name])
             memfd = wire.recv_fd(sock)
             try:
-                slab = SharedSlab(memfd, int(res["n_slots"]), int(res["slot_bytes"]))
+                slab = SharedSlab(memfd, int(res["n_slots"]), int(res["slot_bytes"]),
+                                  populate=res.get("populate", True) is True)
             finally:
                 os.close(memfd)  # the mapping keeps the memory
         except BaseException:

@@ -4,7 +4,9 @@ The daemon owns the tiers (the DRAM slab, NVMe, the Redis client), their sweeps 
 metrics: the same :class:`~kvstore.store.KVStore` an embedded engine runs, one per model (a model
 is its fingerprint's root with its block size: engines of other models, revisions, dtypes,
 layouts or tensor-parallel ranks get stores of their own, and never see each other's blocks).
-Its DRAM slab is one memfd (:func:`kvstore.tiers.dram.pool.shared_memory`) handed to each engine
+``tiers.dram.capacity_gb`` is the host's budget across the models, one LRU over them (a rule in
+:mod:`.budget` moves capacity, ``PERIOD_S``; ``node.model_quota_gb`` caps some models). Each
+model's DRAM slab is one memfd (:func:`kvstore.tiers.dram.pool.shared_memory`) handed to each engine
 over the socket (``SCM_RIGHTS``): the engine maps it and its copy kernels move bytes between its
 own paged KV cache and the slots, so no block passes through the daemon. What crosses the socket
 is control (:mod:`.wire`): lookups, pins, slot numbers, reservations and their ends.
@@ -30,7 +32,7 @@ from typing import Any
 
 from kvstore.config import ConfigError, StoreConfig
 from kvstore.keys import ModelFingerprint, root_of
-from kvstore.node import wire
+from kvstore.node import budget, wire
 from kvstore.node.attachment import Attachment
 from kvstore.node.eventlog import DRAIN_S, EventLog, meta_cap
 from kvstore.node.metrics import NodeMetrics, check_report
@@ -38,6 +40,7 @@ from kvstore.offload.frames import serve_timeouts
 from kvstore.offload.private_server import PrivateServer
 from kvstore.offload.sockdir import open_folder, path_in
 from kvstore.store import KVStore
+from kvstore.store.machine import check_dram
 from kvstore.store.events import BlockMeta
 from kvstore.store.handles import check_keys, check_ttl
 
@@ -48,7 +51,7 @@ log = logging.getLogger(__name__)
 IDLE_S = math.inf
 FRAME_S = 5.0  # the rest of a frame must come this soon after its first byte
 CONNECTIONS_PER_ENGINE = 16  # an engine's anchor, scheduler, copy, load and RPC threads, with room to spare
-MAX_STORES = 8  # models with a store here at once (each a DRAM slab of tiers.dram.capacity_gb)
+MAX_STORES = 8  # models with a store here at once (one DRAM budget shared by them: kvstore.node.budget)
 PREFETCH_WAIT_S = 0.002  # as LocalClient's: an idle engine asking again must not spin
 
 
@@ -74,13 +77,16 @@ class NodeDaemon:
         if not config.tiers.dram.enabled:
             raise ConfigError("tiers.dram.capacity_gb", config.tiers.dram.capacity_gb,
                               "more than 0 for a node daemon: its engines copy to and from its DRAM slab")
+        check_dram(config)  # the budget of every model's DRAM (their stores do not check it again)
         self.config = config
         self.stores: dict[tuple, KVStore] = {}
+        self._wanted: dict[int, int] = {}  # id(store) -> its index's ``wanted`` at the last rebalance
         self.logs: dict[int, EventLog] = {}  # id(store) -> its KV-event records, read by its engines
         self.models: dict[int, str] = {}  # id(store) -> its model's name (metrics labels)
         self.engines: dict[bytes, Attachment] = {}
         self.lock = threading.Lock()
         self._making = threading.Lock()  # one store made at a time, outside self.lock
+        self._balancing = threading.Lock()  # one rebalance at a time (the drain thread's, a test's)
         self.refused = {"uid": 0, "full": 0, "attach": 0}
         self._dir, folder = open_folder()
         self._name = socket_name(config.node.name)
@@ -141,11 +147,52 @@ class NodeDaemon:
         while not self._stop.wait(DRAIN_S):
             with self.lock:
                 logs = list(self.logs.values())
+            try:
+                self.rebalance()
+            except Exception as e:  # noqa: BLE001 - a store closing under it; the next round goes on
+                log.debug("kvstore serve: moving DRAM between models: %s", e)
             for lg in logs:
                 try:
                     lg.drain()
                 except Exception as e:  # noqa: BLE001 - a store closing under it; the next round goes on
                     log.debug("kvstore serve: draining KV events: %s", e)
+
+    # -- the DRAM budget ---------------------------------------------------------------------------
+    def _quota(self, model: str) -> int | None:
+        gb = (self.config.node.model_quota_gb or {}).get(model)
+        return None if gb is None else int(gb * (1 << 30))
+
+    def rebalance(self) -> list[int]:
+        """One round of :func:`budget.rebalance`: each model's DRAM limit set, and a model left
+        over its new limit swept (its least recent blocks written down) and trimmed (their
+        memory given back). Returns the limits (the stores' order)."""
+        with self._balancing:
+            return self._rebalance()
+
+    def _rebalance(self) -> list[int]:
+        with self.lock:
+            stores = list(self.stores.values())
+        if len(stores) < 2 and not self.config.node.model_quota_gb:
+            return [s.dram.limit_bytes for s in stores]  # one model: all of the budget, as made
+        shares = []
+        for s in stores:
+            d = s.dram
+            with d.lock:
+                wanted = d.index.wanted - self._wanted.get(id(s), 0)
+                self._wanted[id(s)] = d.index.wanted
+                shares.append(budget.Share(limit=d.limit_bytes, used=d.index.used, wanted=wanted,
+                                           oldest=d.index.oldest_access(), unit=d.slot_bytes,
+                                           quota=self._quota(self.models[id(s)])))
+        limits = budget.rebalance(shares, self.config.tiers.dram.capacity_bytes)
+        for s, sh, lim in zip(stores, shares, limits):
+            if lim == sh.limit:
+                continue
+            s.dram.limit(lim)
+            if lim < sh.limit:  # what it holds past it is written down now, then its memory goes back
+                s.sweep()
+                s.flush()
+                s.dram.trim()
+        return limits
 
     # -- engines ---------------------------------------------------------------------------------
     def store_for(self, fp: ModelFingerprint, block_bytes: int, block_tokens: int) -> KVStore:
@@ -161,9 +208,19 @@ class NodeDaemon:
                 if len(self.stores) >= MAX_STORES:
                     raise ValueError(f"{MAX_STORES} models have stores here already (each a DRAM slab of "
                                      f"tiers.dram.capacity_gb); stop this daemon to free them")
-            cfg = dataclasses.replace(self.config, metrics=dataclasses.replace(self.config.metrics, port=None))
+                # the budget left to a newcomer (the first model: all of it, pre-faulted); the rest of
+                # its slab takes pages as the budget moves some to it (kvstore.node.budget)
+                held = sum(x.dram.limit_bytes for x in self.stores.values())
+            total, quota = self.config.tiers.dram.capacity_bytes, self._quota(str(fp.model))
+            slab = total if quota is None else min(quota, total)
+            first = min(slab, max(0, total - held))
+            cfg = dataclasses.replace(self.config, metrics=dataclasses.replace(self.config.metrics, port=None),
+                                      tiers=dataclasses.replace(self.config.tiers, dram=dataclasses.replace(
+                                          self.config.tiers.dram, capacity_gb=slab / (1 << 30))))
             s = KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
-                        shared_dram=True, events=True)
+                        shared_dram=True, events=True, dram_prefault_bytes=first)
+            if s.dram is not None and first < slab:
+                s.dram.limit(first)
             if s.dram is None:
                 s.close(persist=False)
                 raise ConfigError("tiers.dram.capacity_gb", self.config.tiers.dram.capacity_gb,
@@ -393,7 +450,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 a = d.attach(*msg[1:])
                 pool = a.store.dram.pool
                 hello = {"token": a.token, "slot_bytes": pool.slot_bytes, "n_slots": pool.n_slots,
-                         "block_bytes": a.store.block_bytes, "pid": os.getpid()}
+                         "block_bytes": a.store.block_bytes, "pid": os.getpid(),
+                         "populate": not a.store.dram.limited}
             elif msg == ["ping"]:  # a readiness check (kvstore serve --ping): answered, then closed
                 wire.send(sock, [True, {"pid": os.getpid(), "engines": len(d.engines), "stores": len(d.stores)}])
                 return None

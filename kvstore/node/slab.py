@@ -23,7 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class SharedSlab:
-    def __init__(self, fd: int, n_slots: int, slot_bytes: int):
+    def __init__(self, fd: int, n_slots: int, slot_bytes: int, populate: bool = True):
+        """``populate``: map every page up front (the daemon's slab is all this model's); False
+        for a slab a node budget shares with other models (a page mapped is a page the host
+        gives: only the slots used take memory)."""
         if n_slots <= 0 or slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
             raise ValueError(f"a slab of {n_slots} slots of {slot_bytes} bytes")
         size = n_slots * slot_bytes
@@ -32,7 +35,7 @@ class SharedSlab:
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
         self._map, self.array = map_shared(fd, 0, size, prefault=False)
         self._ptr = 0
-        if not cuda_available():  # (the CUDA registration below maps every page itself)
+        if populate and not cuda_available():  # (the CUDA registration below maps every page itself)
             # The daemon's pages are in memory, but not in this process's page tables: a first
             # copy from a slot took a minor fault per 4 KiB page. Mapped in the background, at the
             # lowest priority, 8 MiB a step (the engine's own mmaps are never held up long)

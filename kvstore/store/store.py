@@ -95,9 +95,11 @@ class KVStore:
         io_executor: Executor | None = None,
         events: bool = False,
         shared_dram: bool = False,
+        dram_prefault_bytes: int | None = None,
     ):
         """``shared_dram``: the DRAM slab in one memfd that a node daemon hands to the engines it
-        serves (:mod:`kvstore.node`), so their copies move bytes to and from it directly."""
+        serves (:mod:`kvstore.node`), so their copies move bytes to and from it directly;
+        ``dram_prefault_bytes``: how much of the slab is pre-faulted (None: all of it)."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.config = config or StoreConfig()
@@ -106,12 +108,13 @@ class KVStore:
         self.clock = clock
         self.root = root_of(fingerprint)
         self._gate = Gate()  # the calls in flight and the handles open, for close
-        check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
+        if dram_prefault_bytes is None:  # (a node daemon checks its whole budget once, at its start)
+            check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port, host=self.config.metrics.host)
         try:
             self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
                                      clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events,
-                                     shared_dram=shared_dram)
+                                     shared_dram=shared_dram, dram_prefault_bytes=dram_prefault_bytes)
         except BaseException:
             self.metrics.close()
             raise

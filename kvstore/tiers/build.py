@@ -34,8 +34,9 @@ class TierSet:
 
     def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint | bytes,
                  clock: Callable[[], float] = time.time, kv_dtype: str | None = None, group_elems: int | None = None,
-                 events: bool = False, shared_dram: bool = False):
-        """``shared_dram``: the DRAM slab in one memfd, for a node daemon's engines (kvstore.node)."""
+                 events: bool = False, shared_dram: bool = False, dram_prefault_bytes: int | None = None):
+        """``shared_dram``: the DRAM slab in one memfd, for a node daemon's engines (kvstore.node);
+        ``dram_prefault_bytes``: how much of it is pre-faulted (None: all)."""
         self.tiers: list[Tier] = []
         self._namespaces: dict[str, bytes] = {}
         self._tmpdir: str | None = None  # the NVMe tier's folder when it has no path: removed at close
@@ -50,7 +51,8 @@ class TierSet:
         self._namespace("nvme", t.nvme.codec)
         try:
             if t.dram.enabled:
-                self._open_dram(t.dram, has_lower=t.nvme.enabled, clock=clock, shared=shared_dram)
+                self._open_dram(t.dram, has_lower=t.nvme.enabled, clock=clock, shared=shared_dram,
+                                prefault=dram_prefault_bytes)
             if t.nvme.enabled:
                 self._open_nvme(t.nvme, clock=clock, keep_meta=events and config.events.nvme.medium is not None)
             if t.remote.enabled:
@@ -70,12 +72,13 @@ class TierSet:
     def _codec(self, cfg):
         return make_codec(cfg.codec, self.geometry, cfg.zstd_level) if cfg.codec != "none" else None
 
-    def _open_dram(self, cfg, *, has_lower: bool, clock, shared: bool = False) -> None:
+    def _open_dram(self, cfg, *, has_lower: bool, clock, shared: bool = False, prefault: int | None = None) -> None:
         from kvstore.tiers.dram import DramTier
 
         tier = DramTier(capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s, policy=cfg.policy,
                         block_bytes=self.block_bytes, clock=clock, pin=cfg.pin_memory,
-                        headroom=cfg.headroom_blocks if has_lower else 0, shared=shared)
+                        headroom=cfg.headroom_blocks if has_lower else 0, shared=shared,
+                        prefault_bytes=prefault)
         if tier.pool.n_slots == 0:  # a pool without a slot is no tier
             tier.close()
             return

@@ -69,6 +69,9 @@ class TierIndex:
         # entry was seen past its TTL)? A run where one did not gives the same results for any
         # larger value: the tuner skips those (kvstore.tune.grid)
         self.consulted = {"capacity": False, "ttl": False}
+        # bytes reserves asked for past the capacity (each made room or was refused): the demand a
+        # node daemon's DRAM budget reads to move capacity between its models (kvstore.node.budget)
+        self.wanted = 0
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
         # KV events (kvstore.store.events): (True, key) when an entry becomes READY, (False, key)
@@ -198,6 +201,7 @@ class TierIndex:
         assert key not in self.entries, "reserve of a key already in the index"
         if self.used + nbytes > self.capacity:
             self.consulted["capacity"] = True
+            self.wanted += nbytes
         heap = self._heap
         evicted = self.expire(now) if heap and heap[0][0] <= now else []  # (nothing due: no sweep)
         if nbytes > self.capacity:
@@ -237,6 +241,39 @@ class TierIndex:
             if got >= need:
                 return picked
         return None
+
+    def shrink(self) -> list[Entry]:
+        """Evict the policy's victims until the index fits its capacity again (lowered under it:
+        a node daemon's budget moved some to another model); pinned and WRITING entries stay, and
+        go at a later call. Bounded work, as :meth:`expire`."""
+        out, need, scanned = [], self.used - self.capacity, 0
+        if need <= 0:
+            return out
+        for k in self.policy.victims():  # picked first, dropped after (the policy's order is iterated)
+            scanned += 1
+            if need <= 0 or scanned > self.max_scan:
+                break
+            e = self.entries.get(k)
+            if e is None or e.pins or e.state != READY:
+                continue
+            out.append(e)
+            need -= e.nbytes
+        for e in out:
+            self._drop(e, CAPACITY)
+        return out
+
+    def oldest_access(self) -> float:
+        """The last access of the policy's first unpinned victim (inf: none): how recent the
+        block this index would give up next is."""
+        scanned = 0
+        for k in self.policy.victims():
+            scanned += 1
+            if scanned > self.max_scan:
+                break
+            e = self.entries.get(k)
+            if e is not None and not e.pins and e.state == READY:
+                return e.last_access
+        return math.inf
 
     def commit(self, e: Entry, now: float, session: str | None = None) -> None:
         assert e.state == WRITING and e.pins > 0 and self.entries.get(e.key) is e
@@ -307,7 +344,9 @@ class TierIndex:
     def check(self) -> None:
         """Invariants (used by tests)."""
         assert self.used == sum(e.nbytes for e in self.entries.values()), "used bytes drifted"
-        assert self.used <= self.capacity, f"over capacity: {self.used} > {self.capacity}"
+        # over it only while a lowered capacity waits for pinned entries (see shrink)
+        held = sum(e.nbytes for e in self.entries.values() if e.pins or e.state != READY)
+        assert self.used <= max(self.capacity, held), f"over capacity: {self.used} > {self.capacity}"
         ready = {k for k, e in self.entries.items() if e.state == READY}
         assert len(self.policy) == len(ready), "policy and index disagree on the number of entries"
         assert set(self.policy.victims()) == ready, "policy and index disagree on the keys"

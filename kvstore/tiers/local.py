@@ -222,10 +222,12 @@ class LocalTier(Tier):
         return len(gone)
 
     def expire(self, limit: int | None = None) -> list[Entry]:
-        """Take what is due out of the index (bounded); the victims keep their medium (see
-        :meth:`begin_reserve`) until :meth:`free`."""
+        """Take what is due out of the index (bounded), and what a lowered capacity no longer
+        holds (:meth:`TierIndex.shrink`); the victims keep their medium (see :meth:`begin_reserve`)
+        until :meth:`free`."""
         with self.lock:
             ev = self.index.expire(self.clock(), limit)
+            ev += self.index.shrink()
         self._count_victims(ev)
         return ev
 

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 _LOW_BIT = bytes(i & 1 for i in range(256))  # a byte -> its bit 0 (bytes.translate)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)  # a shared mapping's pages freed in the file (a hole)
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 CHUNK_BYTES = 256 << 20
 GiB = 1 << 30
 
@@ -225,16 +227,20 @@ class SlabPool:
     """
 
     def __init__(self, n_slots: int, slot_bytes: int, *, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
-                 on_ready: Callable[[int], None] | None = None, background: bool = True, shared: bool = False):
+                 on_ready: Callable[[int], None] | None = None, background: bool = True, shared: bool = False,
+                 prefault_slots: int | None = None):
         """``shared``: the slots live in one memfd (:attr:`memfd`, slot ``i`` at byte ``i *
         slot_bytes``), which a node daemon hands to the engines it serves (kvstore.node); never
-        pinned here: each engine registers its own mapping with CUDA."""
+        pinned here: each engine registers its own mapping with CUDA. ``prefault_slots``: chunks
+        from that slot on are mapped, not pre-faulted (a node daemon's model that may grow into
+        memory another model holds now: its pages come on first touch)."""
         assert slot_bytes > 0 and n_slots >= 0
         assert not shared or slot_bytes % PAGE == 0, "a shared pool's slots are whole pages (mapped at offsets)"
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self._per_chunk = max(1, chunk_bytes // slot_bytes)
         self.n_chunks = -(-n_slots // self._per_chunk)
+        self._prefault_slots = n_slots if prefault_slots is None else prefault_slots
         self._maps: list[mmap.mmap] = []
         self._views: list[np.ndarray] = []  # appended chunk by chunk, before the slots are freed
         self._registered: list[int] = []
@@ -281,7 +287,8 @@ class SlabPool:
         first = self._ready_slots
         k = min(self._per_chunk, self.n_slots - first)
         if self.memfd >= 0:
-            m, arr = map_shared(self.memfd, first * self.slot_bytes, k * self.slot_bytes)
+            m, arr = map_shared(self.memfd, first * self.slot_bytes, k * self.slot_bytes,
+                                prefault=first < self._prefault_slots)
         else:
             m, arr = alloc_aligned(k * self.slot_bytes)
         self._maps.append(m)
@@ -379,6 +386,26 @@ class SlabPool:
         with self._cond:
             self._free.append(slot)
             self._cond.notify()
+
+    def trim(self) -> int:
+        """Give the memory behind every free slot back to the host (a shared slab: holes in the
+        memfd, for every engine's mapping too; an anonymous one: its pages dropped); a slot used
+        again is zero-filled on first touch. Under the pool's lock, so no slot is handed out
+        while its pages go. Not for a pinned pool (its pages stay locked). Returns the bytes."""
+        if self.pinned or _madvise is None:
+            return 0
+        advice = MADV_REMOVE if self.memfd >= 0 else MADV_DONTNEED
+        sb, done = self.slot_bytes, 0
+        with self._cond:
+            run: list[int] = []  # consecutive free slots of one chunk: one call
+            for slot in sorted(self._free) + [-2]:
+                if run and (slot != run[-1] + 1 or slot % self._per_chunk == 0):
+                    addr = self._views[run[0]].ctypes.data
+                    if _madvise(addr, len(run) * sb, advice) == 0:
+                        done += len(run) * sb
+                    run = []
+                run.append(slot)
+        return done
 
     @property
     def n_free(self) -> int:

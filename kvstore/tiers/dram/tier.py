@@ -36,8 +36,10 @@ class DramTier(LocalTier):
 
     def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
                  clock: Callable[[], float] = time.time, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
-                 headroom: int | str = 0, shared: bool = False):
-        """``shared``: the slab is one memfd a node daemon hands to its engines (``pool.memfd``)."""
+                 headroom: int | str = 0, shared: bool = False, prefault_bytes: int | None = None):
+        """``shared``: the slab is one memfd a node daemon hands to its engines (``pool.memfd``).
+        ``prefault_bytes``: only so much of the slab is pre-faulted (None: all of it); the rest
+        takes pages on first touch (a node daemon's model that grows into its budget)."""
         # Slots are padded to 4 KiB so NVMe O_DIRECT I/O can use them in place.
         self.slot_bytes = round_up(block_bytes)
         n_slots = capacity_bytes // self.slot_bytes
@@ -49,15 +51,48 @@ class DramTier(LocalTier):
         # slots the index never fills: victims hold theirs until written down (placement.py)
         self.headroom = headroom_slots(n_slots, headroom)
         self._ready_slots = 0
+        # a node daemon's budget for this slab (kvstore.node.budget; None: all of it): the slots it
+        # may hold, its headroom included
+        self._limit_slots: int | None = None
         self.pool = SlabPool(n_slots, self.slot_bytes, pin=pin, chunk_bytes=chunk_bytes, on_ready=self._on_pool_ready,
-                             shared=shared)
+                             shared=shared,
+                             prefault_slots=None if prefault_bytes is None else prefault_bytes // self.slot_bytes)
         with self.lock:
             self._grow(self.pool.initial_slots)
 
     def _grow(self, n_new_slots: int) -> None:
         """Under the lock: ``n_new_slots`` more slots are ready; the index may use all but the headroom."""
         self._ready_slots += n_new_slots
-        self.index.capacity = max(0, self._ready_slots - self.headroom) * self.slot_bytes
+        self._set_capacity()
+
+    def _set_capacity(self) -> None:
+        n = self._ready_slots if self._limit_slots is None else min(self._ready_slots, self._limit_slots)
+        head = self.headroom if self._limit_slots is None else headroom_slots(n, self.headroom and "auto")
+        self.index.capacity = max(0, n - head) * self.slot_bytes
+
+    def limit(self, nbytes: int | None) -> None:
+        """Hold at most ``nbytes`` of slots (a node daemon's budget moved the rest to another
+        model; None: the whole slab). Blocks past a lowered limit leave at the next
+        :meth:`expire` (the store's sweep writes them down); :meth:`trim` then gives their memory
+        back."""
+        with self.lock:
+            self._limit_slots = None if nbytes is None else max(0, int(nbytes) // self.slot_bytes)
+            self._set_capacity()
+
+    @property
+    def limited(self) -> bool:
+        """A limit was set (a node daemon's budget shares the host's DRAM among its models)."""
+        return self._limit_slots is not None
+
+    @property
+    def limit_bytes(self) -> int:
+        """The bytes of slots it may hold: its limit, or the whole slab (ready or not yet)."""
+        return self.target_capacity_bytes if self._limit_slots is None else self._limit_slots * self.slot_bytes
+
+    def trim(self) -> int:
+        """Give the memory of every free slot back (a shared slab's pages go back to the host;
+        a slot used again is zero-filled on its first touch). Returns the bytes released."""
+        return self.pool.trim()
 
     def _on_pool_ready(self, n_new_slots: int) -> None:
         """A background chunk of the pool is ready (its slots already free): admit its blocks."""
