@@ -19,7 +19,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test bench clean redis-server microbench native-deps peers
+.PHONY: test-fast test-slow install test bench clean redis-server microbench native-deps peers
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -69,8 +69,17 @@ redis-server:
 		else sudo -n apt-get install -y -q redis-server >/dev/null; fi; } || \
 		echo "WARNING: could not install redis-server: the remote tier's tests will be skipped"
 
+# make test: the whole suite (what CI runs). On 2 cores it takes ~35 min; for the loop of a change,
+# make test-fast (~15 min: no test marked slow) and make test-slow (the real servers' end-to-end
+# runs, the fault matrices and the 3-minute soak) split it in two, and together run all of it.
 test: $(STAMP) redis-server
 	$(VPY) -m pytest -q
+
+test-fast: $(STAMP) redis-server
+	$(VPY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP) redis-server
+	$(VPY) -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstore bench tiers --config configs/bench_tiers.yaml --json out/bench_tiers.json --plots out/plots

@@ -423,6 +423,7 @@ def test_agent_config_errors_name_the_key(tmp_path):
 
 # -- e2e (vLLM) ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_e2e_tiny(tmp_path):

@@ -70,6 +70,7 @@ def test_prefix_and_load_are_weighed_as_llm_d_does():
     assert r.fallbacks == 0
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_bench_route_end_to_end(capsys):
     """The whole bench, small: 2 engine processes with kvstore, a shared Redis, 3 sessions x 2 turns

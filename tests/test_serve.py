@@ -232,6 +232,7 @@ def check_store_folder(store: Path, namespace: str, keys: list[bytes]) -> None:
             assert mode == 0o600, f"{p}: file mode {mode:04o}"
 
 
+@pytest.mark.slow
 def test_server_prefix_cache_is_not_a_hit_and_a_restart_serves_from_nvme(tiny_model, tmp_path):
     store = tmp_path / "store"
     ids = prompt(N_PROMPT, 0)
@@ -285,6 +286,7 @@ def test_server_prefix_cache_is_not_a_hit_and_a_restart_serves_from_nvme(tiny_mo
     check_store_folder(store, namespace, keys + chain_keys(root, other, BLOCK)[:(300 - 1) // BLOCK])
 
 
+@pytest.mark.slow
 def test_a_plain_stop_keeps_every_finished_requests_trace_line(tiny_model, tmp_path):
     """Issue 45, finding 10, as an operator stops the server: SIGTERM with vLLM's default
     ``--shutdown-timeout 0``, which SIGTERMs the EngineCore (the scheduler's connector and its

@@ -51,6 +51,7 @@ def test_the_fault_free_phases_leave_each_fault_and_its_settling_out():
     assert _phases([], 50.0) == [(0.0, 50.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM")
 def test_a_three_minute_soak_through_every_fault_answers_right(tmp_path):
     """CI's soak: every fault of the embedded store (the engine restarted and killed -9, Redis

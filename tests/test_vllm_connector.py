@@ -118,6 +118,7 @@ def _drive(job: dict, env: dict | None = None) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_multiprocess_engine_mode(tiny_model, tmp_path):
     """vLLM's default mode: the engine core runs in its own process."""
     prompts = [prompt(200, 3)]

@@ -186,6 +186,7 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
         sub.close()
 
 
+@pytest.mark.slow
 def test_events_cross_processes_with_two_ranks(tiny_model, tmp_path, monkeypatch):
     """Tensor parallelism (two worker processes, vLLM's multiprocess executor): each rank stores its
     half of the KV heads in its own store; rank 0 announces, its events reach the scheduler in

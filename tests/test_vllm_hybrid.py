@@ -108,6 +108,7 @@ def test_gemma3_sliding_window_and_full_attention(gemma3, tmp_path):
         assert out[:3] == ref and cached == [288, 320, 256, 288, 192]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks(gemma3, tmp_path):
     """TP=2 (vLLM's CPU backend runs it in its multiprocess executor, one worker process per rank,
     about 45 s here): each rank's store in its own namespace (the rank is in its fingerprint), the
