@@ -133,6 +133,8 @@ def test_two_models_share_one_budget_and_the_least_recent_blocks_go(tmp_path):
         assert len(da) == 24 and a.contains_prefix(ka[:8], record=False).tiers == ("nvme",) * 8
         assert fill(b, kb) == 8
         assert len(da) + len(db) == 32
+        # the stores' readouts (and their kvstore_tier_capacity_bytes gauges) show each model's share
+        assert [s.stats()["tiers"]["dram"]["capacity_bytes"] for s in (a, b)] == [24 * BB, 8 * BB]
         # the memory of A's freed slots went back: the host holds the budget, not more
         assert _resident(d) <= 32 * da.slot_bytes
         # every block still loads right, from DRAM or NVMe

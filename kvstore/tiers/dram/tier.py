@@ -107,9 +107,10 @@ class DramTier(LocalTier):
 
     @property
     def capacity_bytes(self) -> int:
-        """The slab's ready slots (the memory the tier takes); the index holds all but the
-        ``headroom`` of them."""
-        return self._ready_slots * self.slot_bytes
+        """The slab's ready slots (the memory the tier takes), to its limit if a node daemon's
+        budget set one; the index holds all but the ``headroom`` of them."""
+        n = self._ready_slots if self._limit_slots is None else min(self._ready_slots, self._limit_slots)
+        return n * self.slot_bytes
 
     @property
     def ready(self) -> bool:
