@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvstore.tiers import fileformat as ff
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -174,7 +174,7 @@ def _swappable_parents(base: Path) -> tuple[list[str], list[str]]:
     return loose, shared
 
 
-def swappable_error(path: str | os.PathLike, loose: list[str] | None = None):
+def swappable_error(path: str | os.PathLike, loose: list[str] | None = None, key: str = "tiers.nvme.path"):
     """The error for a folder with a world-writable parent without the sticky bit (anyone could
     swap the cache folder for another), or None; looks, creates nothing (``kvstore config`` asks
     it of a folder that does not exist yet, :func:`check_folder` of every one)."""
@@ -183,16 +183,16 @@ def swappable_error(path: str | os.PathLike, loose: list[str] | None = None):
     loose = _swappable_parents(Path(path))[0] if loose is None else loose
     if not loose:
         return None
-    return ConfigError("tiers.nvme.path", str(path), "a folder whose parents others cannot write", why=(
+    return ConfigError(key, str(path), "a folder whose parents others cannot write", why=(
         f"{', '.join(loose)} is world-writable without the sticky bit, so anyone could swap the cache "
         f"folder for another; chmod o-w (or +t) that parent, or use another path"))
 
 
-def check_folder(path: str | os.PathLike) -> Path:
+def check_folder(path: str | os.PathLike, key: str = "tiers.nvme.path") -> Path:
     """Create the tier's folder (0700, and 0700 parents) if missing; refuse one that is unsafe or
     unusable.
 
-    Refused with a :class:`~kvstore.config.ConfigError` naming ``tiers.nvme.path``: a path that
+    Refused with a :class:`~kvstore.config.ConfigError` naming ``key`` (the medium's path key): a path that
     cannot be created or written, that is not a folder, that another user owns, that others can
     write (group- or world-writable: they could plant, swap or delete block files), or that sits
     in a world-writable parent without the sticky bit (anyone could swap the folder itself). Only
@@ -202,13 +202,12 @@ def check_folder(path: str | os.PathLike) -> Path:
     """
     from kvstore.config import ConfigError
 
-    key = "tiers.nvme.path"
     if "\x00" in str(path):
         raise ConfigError(key, str(path), "a folder path without NUL bytes")
     base = Path(path)
     loose, shared = _swappable_parents(base)
     if loose:
-        raise swappable_error(path, loose)
+        raise swappable_error(path, loose, key)
     try:
         _make_folders(base)
         st = os.stat(base)  # a configured symlink to a folder is the operator's choice
