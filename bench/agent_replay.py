@@ -14,7 +14,7 @@ import numpy as np
 from kvstore.bench import stores
 from kvstore.bench import workload as wl
 from kvstore.config import GiB, from_dict
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 from kvstore.store.metrics import MISS_REASONS
 from kvstore.store import KVStore
 

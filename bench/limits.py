@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

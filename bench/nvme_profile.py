@@ -33,7 +33,7 @@ from kvstore.bench.limits import odirect_rows_s, run_threads, settle
 from kvstore.bench.tiers_ops import run_op
 from kvstore.tiers import fileformat as ff
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 from kvstore.tiers.nvme import folder as folder_mod, pool as pool_mod, tier as nvme_mod
 
 _TIMED = ("open", "close", "pwritev", "preadv", "setxattr", "getxattr", "utime", "rename", "fstat", "mkdir",

@@ -58,7 +58,7 @@ from kvstore.bench.limits import memcpy_gbps, odirect_gbps
 from kvstore.bench.tiers_local import measure
 from kvstore.bench.tiers_remote import REMOTE_HEADER
 from kvstore.bench.tiers_report import plot, render
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 
 __all__ = ["DEFAULTS", "REMOTE_HEADER", "add_args", "main", "plot", "render", "resolve", "run"]
 

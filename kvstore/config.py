@@ -2,15 +2,15 @@
 
 Schema (public; the tuner writes it, the connector reads it)::
 
-    tiers:
+    tiers:                 # a section per registered medium (kvstore.tiers.registry), in chain order:
       dram: {capacity_gb, ttl_s, ttl_shared_s, policy, codec, pin_memory, headroom_blocks}
       nvme: {path, capacity_gb, ttl_s, ttl_shared_s, policy, codec, zstd_level, o_direct, write_mode, io_threads, header, engine, engine_depth, admit_after}
       remote: {url, cluster, ttl_s, codec, zstd_level, write_mode, timeout_ms, io_threads}
     io: {async_saves, async_loads, load_only_if_faster}
     metrics: {port, host}
     mode: embedded | node
-    node: {name, timeout_ms, max_engines, engine_share}
-    events: {dram, nvme, remote}: {medium, locality}
+    node: {name, timeout_ms, max_engines, engine_share, model_quota_gb}
+    events: {<medium>: {medium, locality}}   # the same media
     trace_path: null
     trace_tokens: false
     max_hint_ttl_s: null
@@ -37,8 +37,8 @@ import dataclasses
 import logging
 import os
 import stat
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import yaml
 
@@ -47,112 +47,25 @@ log = logging.getLogger(__name__)
 from kvstore import configfields as F
 from kvstore.configfields import ConfigError
 
-GiB = 1 << 30
-
-O_DIRECT_CHOICES = ("auto", True, False)
-WRITE_MODES = ("write_back", "write_through")
-PIN_CHOICES = ("auto", True, False)
-REMOTE_WRITE_MODES = ("write_through",)  # write-back to a shared tier: not built (see RemoteConfig)
-HEADER_CHOICES = ("auto", "xattr", "inline")
-BOOL = (True, False)
-
-
-def _f(default: Any, check: Callable, *, needs: tuple[str, ...] = (), **options) -> Any:
-    """A config field: its default, and its validator (with options; ``needs``: fields of the
-    same section it is checked against, passed by name). Adding a key is adding a line here."""
-    return field(default=default, metadata={"check": check, "options": options, "needs": needs})
-
-
-def _sec(cls) -> Any:
-    """A nested section (a mapping; null = empty)."""
-    return field(default_factory=cls, metadata={"section": cls})
+GiB = F.GiB
+BOOL = F.BOOL
+_f, _sec, _Sized = F.field, F.section, F.Sized  # (the names every section here uses)
 
 
 # -- the config objects -----------------------------------------------------------------------
 
+def _sections(name: str, part: str, doc: str) -> type:
+    """A section with one sub-section per registered medium (kvstore.tiers.registry), in chain
+    order: ``part`` is the spec's attribute (its ``config`` or its ``events`` dataclass)."""
+    from kvstore.tiers.registry import SPECS
 
-class _Sized:
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.capacity_gb * GiB)  # type: ignore[attr-defined]
-
-    @property
-    def enabled(self) -> bool:
-        return self.capacity_bytes > 0
-
-
-_TTL = dict(null="for no expiry")
-_TTL_SHARED = dict(null="for the tier's ttl_s")
+    cls = dataclasses.make_dataclass(name, [(s.name, getattr(s, part), _sec(getattr(s, part))) for s in SPECS],
+                                     frozen=True)
+    cls.__doc__, cls.__module__ = doc, __name__
+    return cls
 
 
-@dataclass(frozen=True)
-class DramConfig(_Sized):
-    capacity_gb: float = _f(4.0, F.number)
-    ttl_s: float | None = _f(3600.0, F.ttl, **_TTL)
-    ttl_shared_s: float | None = _f(None, F.ttl, **_TTL_SHARED)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
-    policy: str = _f("lru", F.choice, choices=F.policy_names)
-    codec: str = _f("none", F.choice, choices=F.codec_names)
-    pin_memory: Any = _f("auto", F.choice, choices=PIN_CHOICES)  # auto: pin through torch when CUDA is available
-    headroom_blocks: Any = _f("auto", F.auto_or_int)  # slots held back for victims being demoted; auto: 1/8 of them
-
-
-@dataclass(frozen=True)
-class NvmeConfig(_Sized):
-    path: str | None = _f(None, F.path, what="folder", expand=True)  # null: a private temporary folder, removed at close (or, after a crash, by the next store: tiers/nvme/folder.py)
-    capacity_gb: float = _f(100.0, F.number)
-    ttl_s: float | None = _f(86400.0, F.ttl, **_TTL)
-    ttl_shared_s: float | None = _f(None, F.ttl, **_TTL_SHARED)  # TTL of blocks hit by >= 2 distinct sessions; None = ttl_s
-    policy: str = _f("lru", F.choice, choices=F.policy_names)
-    codec: str = _f("none", F.choice, choices=F.codec_names)
-    zstd_level: int = _f(3, F.integer, minimum=1, maximum=19)  # for the +zstd codecs (1 fast .. 19 small)
-    o_direct: Any = _f("auto", F.choice, choices=O_DIRECT_CHOICES)
-    write_mode: str = _f("write_back", F.choice, choices=WRITE_MODES)
-    io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
-    header: str = _f("auto", F.choice, choices=HEADER_CHOICES)  # auto | xattr | inline: where a block file keeps its header
-    engine: Any = _f("auto", F.choice, choices=("auto", "io_uring", "threads", "off", False))  # batched native block I/O (kvstore/tiers/nvme/blockio.py): auto = io_uring, else its thread pool; off (YAML reads off as False)
-    engine_depth: Any = _f("auto", F.auto_or_int, minimum=1, maximum=64)  # the engine's blocks in flight per I/O thread; auto: about 16 MiB in flight in all (kvstore/tiers/nvme/tier.py, auto_depth)
-    admit_after: int = _f(0, F.integer, minimum=0)  # write a block to NVMe once this many requests used it (0, 1: all); placement.Admission
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """A tier shared by every engine, on Redis or Valkey (issue 14); off while ``url`` is null.
-
-    ``url``: ``redis://host:port[/db]`` or ``rediss://`` (TLS; the server's certificate is checked
-    against the system's trust store, or ``SSL_CERT_FILE``); with ``cluster: true`` one url or
-    a list of seed nodes. Credentials only from the environment (``KVSTORE_REDIS_USERNAME``,
-    ``KVSTORE_REDIS_PASSWORD``), never here. ``ttl_s``: idle TTL (SET PX, refreshed by PEXPIRE on a
-    hit), so Redis's ``volatile-lru`` can evict under ``maxmemory``. ``write_mode``:
-    write-through only (sharing needs a block there before DRAM evicts it). ``timeout_ms``: a
-    slower answer is a miss."""
-
-    url: Any = _f(None, F.remote_url, needs=("cluster",))
-    cluster: bool = _f(False, F.choice, choices=BOOL)
-    ttl_s: float | None = _f(86400.0, F.ttl, **_TTL)
-    codec: str = _f("none", F.choice, choices=F.codec_names)
-    zstd_level: int = _f(3, F.integer, minimum=1, maximum=19)
-    write_mode: str = _f("write_through", F.choice, choices=REMOTE_WRITE_MODES)
-    timeout_ms: int = _f(200, F.integer, minimum=1, maximum=60_000)
-    io_threads: int = _f(4, F.integer, minimum=1, maximum=64)
-
-    @property
-    def enabled(self) -> bool:
-        return self.url is not None
-
-    @staticmethod
-    def _refuse(key: str, name: Any) -> ConfigError | None:
-        """No credentials in a config file, under any key name."""
-        if isinstance(name, str) and any(w in name.lower() for w in ("pass", "user", "auth", "token", "secret")):
-            return ConfigError(key, "<not shown>", "no credentials in the config: set "
-                               "KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD in the environment")
-        return None
-
-
-@dataclass(frozen=True)
-class TiersConfig:
-    dram: DramConfig = _sec(DramConfig)
-    nvme: NvmeConfig = _sec(NvmeConfig)
-    remote: RemoteConfig = _sec(RemoteConfig)
+TiersConfig = _sections("TiersConfig", "config", "``tiers.<medium>``: each registered medium's own section.")
 
 
 @dataclass(frozen=True)
@@ -172,45 +85,9 @@ class IoConfig:
     load_only_if_faster: bool = _f(True, F.choice, choices=BOOL)
 
 
-# KV events (issue 32): vLLM's media names (vllm.distributed.kv_events: MEDIUM_GPU/CPU/STORAGE) and
-# BlockStored/BlockRemoved's ``locality`` (vLLM 0.32 carries it: LOCAL or REMOTE to the publisher)
-MEDIA = ("CPU", "STORAGE", "GPU")
-LOCALITIES = ("LOCAL", "REMOTE")
-_OFF = dict(null="the tier is not announced")
-_UNSPECIFIED = dict(null="unspecified")
-
-
-@dataclass(frozen=True)
-class DramEvents:
-    """How the DRAM tier's blocks are announced on vLLM's KV-event stream."""
-
-    medium: str | None = _f("CPU", F.word, choices=MEDIA, **_OFF)
-    locality: str | None = _f("LOCAL", F.word, choices=LOCALITIES, **_UNSPECIFIED)
-
-
-@dataclass(frozen=True)
-class NvmeEvents:
-    medium: str | None = _f("STORAGE", F.word, choices=MEDIA, **_OFF)
-    locality: str | None = _f("LOCAL", F.word, choices=LOCALITIES, **_UNSPECIFIED)
-
-
-@dataclass(frozen=True)
-class RemoteEvents:
-    """Off unless asked: every engine sharing the Redis tier would announce the same blocks, and
-    Redis evicts on its own (no removal is seen)."""
-
-    medium: str | None = _f(None, F.word, choices=MEDIA, **_OFF)
-    locality: str | None = _f("REMOTE", F.word, choices=LOCALITIES, **_UNSPECIFIED)
-
-
-@dataclass(frozen=True)
-class EventsConfig:
-    """Per tier: the ``medium`` and ``locality`` its BlockStored/BlockRemoved events carry on vLLM's
-    KV-event stream (``--kv-events-config``); medium null: not announced."""
-
-    dram: DramEvents = _sec(DramEvents)
-    nvme: NvmeEvents = _sec(NvmeEvents)
-    remote: RemoteEvents = _sec(RemoteEvents)
+EventsConfig = _sections("EventsConfig", "events", """Per tier: the ``medium`` and ``locality`` its
+BlockStored/BlockRemoved events carry on vLLM's KV-event stream (``--kv-events-config``); medium
+null: not announced.""")
 
 
 @dataclass(frozen=True)
@@ -265,9 +142,12 @@ class StoreConfig:
         """``max_hint_ttl_s``, or what null stands for (None: no cap)."""
         if self.max_hint_ttl_s is not None:
             return self.max_hint_ttl_s
-        t = self.tiers
-        ttls = [c.ttl_s for c in (t.dram, t.nvme, t.remote) if c.enabled]
+        ttls = [c.ttl_s for c in self.tier_sections() if c.enabled and hasattr(c, "ttl_s")]
         return None if not ttls or None in ttls else max(ttls)
+
+    def tier_sections(self) -> list:
+        """Each registered medium's ``tiers.<name>`` section, in chain order."""
+        return [getattr(self.tiers, f.name) for f in dataclasses.fields(self.tiers)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import reprlib
+from dataclasses import field as _dc_field
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -27,6 +28,45 @@ class ConfigError(ValueError):
 
     def __reduce__(self):  # pickles (e.g. across a process boundary) with its fields
         return ConfigError, (self.key, self.value, self.allowed, self.why)
+
+
+# -- fields and sections: what a config dataclass (kvstore.config, a medium's spec) is made of -------
+
+GiB = 1 << 30
+
+
+def field(default: Any, check: Callable, *, needs: tuple[str, ...] = (), **options) -> Any:
+    """A config field: its default, and its validator (with options; ``needs``: fields of the
+    same section it is checked against, passed by name). Adding a key is adding a line."""
+    return _dc_field(default=default, metadata={"check": check, "options": options, "needs": needs})
+
+
+def section(cls) -> Any:
+    """A nested section (a mapping; null = empty)."""
+    return _dc_field(default_factory=cls, metadata={"section": cls})
+
+
+class Sized:
+    """A tier section sized by ``capacity_gb`` (0: the tier is off)."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_gb * GiB)  # type: ignore[attr-defined]
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+
+TTL = dict(null="for no expiry")
+TTL_SHARED = dict(null="for the tier's ttl_s")
+BOOL = (True, False)
+# KV events (issue 32): vLLM's media names (vllm.distributed.kv_events: MEDIUM_GPU/CPU/STORAGE) and
+# BlockStored/BlockRemoved's ``locality`` (vLLM 0.32 carries it: LOCAL or REMOTE to the publisher)
+MEDIA = ("CPU", "STORAGE", "GPU")
+LOCALITIES = ("LOCAL", "REMOTE")
+NOT_ANNOUNCED = dict(null="the tier is not announced")
+UNSPECIFIED = dict(null="unspecified")
 
 
 def policy_names() -> tuple[str, ...]:

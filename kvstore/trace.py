@@ -303,8 +303,10 @@ RECORDED_KEY = "recorded"  # an optional field of a line: the config and block t
 
 def recorded_fields(tiers: dict, block_bytes: int, block_tokens: int, by: str, **extra) -> dict:
     """What a trace writer puts under ``"recorded"`` in its first line (extra fields are ignored by
-    every reader, so older ones read such a trace): the store's ``tiers.dram`` and ``tiers.nvme``
-    sections (capacities, TTLs, policies, the NVMe path) and the KV block it stored, which
-    ``kvstore tune`` takes as its default budget, base config and block size."""
-    return {"by": by, "tiers": {t: dict(tiers.get(t) or {}) for t in ("dram", "nvme")},
+    every reader, so older ones read such a trace): the store's sections of its local tiers
+    (capacities, TTLs, policies, folders) and the KV block it stored, which ``kvstore tune`` takes
+    as its default budget, base config and block size."""
+    from kvstore.tiers.registry import SPECS
+
+    return {"by": by, "tiers": {s.name: dict(tiers.get(s.name) or {}) for s in SPECS if s.local},
             "block_bytes": int(block_bytes), "block_tokens": int(block_tokens), **extra}

@@ -148,7 +148,7 @@ def test_the_sequential_limit_moves_the_rows_themselves(tmp_path):
     """The dd-style NVMe limit writes the bench's rows and reads them back into its output rows (the
     same memory a store fills), not one reused buffer; its file is gone after."""
     from kvstore.bench.limits import odirect_seq_rows_gbps
-    from kvstore.tiers.dram.pool import alloc_aligned
+    from kvstore.tiers.memory import alloc_aligned
 
     _m1, src = alloc_aligned(24 << 20)
     _m2, dst = alloc_aligned(24 << 20)

@@ -17,7 +17,7 @@ import pytest
 
 from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 from kvstore.tiers.nvme import blockio
 from kvstore.tiers.nvme.folder import probe_xattr
 from kvstore.tiers.nvme import NvmeTier

@@ -18,7 +18,7 @@ from kvstore.codecs import CodecError, Geometry, make_codec
 from kvstore.config import ConfigError, from_dict
 from kvstore.keys import ModelFingerprint
 from kvstore.store import KVStore
-from kvstore.tiers import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 
 from conftest import check_store, make_keys, nvme_files, tiny_config
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.tiers import DramTier
+from kvstore.tiers.dram import DramTier
 
 from conftest import BLOCK, block_for, blocks_for, check_store, check_tier, make_keys
 

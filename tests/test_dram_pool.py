@@ -16,7 +16,7 @@ import pytest
 
 from kvstore.tiers.dram import pool as memory
 from kvstore.tiers.dram.pool import SlabPool
-from kvstore.tiers import DramTier
+from kvstore.tiers.dram import DramTier
 
 from conftest import check_tier
 

@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.tiers import DramTier, NvmeTier
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.fileformat import round_up
 from kvstore.tiers.nobytes import NoBytesTier
 from kvstore.tiers.redis import RedisTier

@@ -160,6 +160,27 @@ def test_the_store_never_asks_which_tiers_exist():
     assert not bad, bad
 
 
+# Where a medium may be named in code (a string equal to its name): its own folder, the registry,
+# and, until the tuner drives the store itself (issue 48, point 3), the tuner's model of DRAM and NVMe
+MEDIUM_HOMES = ("kvstore/tiers/", "kvstore/tune/")
+
+
+def test_no_medium_is_named_outside_its_folder():
+    """A new medium touches its folder and the registry: the store, the metrics, the events, the
+    connector, the planner and the config loop over :mod:`kvstore.tiers.registry` (issue 48)."""
+    from kvstore.tiers.registry import NAMES
+
+    bad = []
+    for p in _py("kvstore") + _py("connectors"):
+        rel = p.relative_to(ROOT).as_posix()
+        if rel.startswith(MEDIUM_HOMES):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and node.value in NAMES:
+                bad.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not bad, bad
+
+
 def test_the_wheel_installs_only_kvstore_names():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     pkgs = cfg["tool"]["scikit-build"]["wheel"]["packages"]

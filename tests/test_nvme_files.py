@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.tiers import fileformat as ff
 from kvstore.keys import ModelFingerprint
-from kvstore.tiers import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 
 from conftest import BLOCK, ROOT, block_for, blocks_for, check_store, make_keys, nvme_files, one_key, tmp_files
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvstore.config import ConfigError
-from kvstore.tiers import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 
 from conftest import BLOCK, blocks_for, check_store, make_keys, nvme_files
 from test_nvme_files import M, _key_with_prefix, _mode, nvme_only, read_n

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore.bench import faults as F
-from kvstore.tiers import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 
 from conftest import BLOCK, block_for, blocks_for, check_store, check_tier, make_keys, one_key
 from test_nvme_files import nvme_only, read_n

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.tiers import NvmeTier
+from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.nvme.tier import PROBE_AFTER_S
 
 from conftest import BLOCK, blocks_for, check_store, check_tier, make_keys, nvme_files

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from kvstore.tiers import fileformat as ff
-from kvstore.tiers.dram.pool import alloc_aligned
+from kvstore.tiers.memory import alloc_aligned
 from kvstore.tiers.policy import POLICIES
-from kvstore.tiers import DramTier, NvmeTier
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.nvme.folder import probe_o_direct, probe_xattr
 
 from conftest import BLOCK, ODD_BLOCK, block_for, check_tier, nvme_files, one_key

@@ -36,6 +36,7 @@ from kvstore import kvcopy
 from kvstore.config import load_config
 from kvstore.offload.readout import render_engine
 from kvstore.store.sizing import sizing_line
+from kvstore.tiers.registry import SPECS
 from kvstore.trace import TraceWriter, recorded_fields
 from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)
@@ -80,8 +81,8 @@ def _check_codecs(config, groups: KVGroups) -> None:
 
     if not groups.state:
         return
-    for tier in ("dram", "nvme", "remote"):
-        cfg = getattr(config.tiers, tier, None)
+    for s in SPECS:
+        tier, cfg = s.name, getattr(config.tiers, s.name, None)
         name = getattr(cfg, "codec", "none")
         if cfg is None or name == "none":
             continue
@@ -92,9 +93,22 @@ def _check_codecs(config, groups: KVGroups) -> None:
                               f"linear-attention state ({e})") from None
 
 
-# vLLM's names of where a hit came from (vllm:prompt_tokens_cached_by_source{source}): Redis is a
-# remote store, which vLLM counts as external_unspecified (p2p is for engines' peers)
-HIT_SOURCES = {"dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+def _prefetches(config) -> bool:
+    """Is there a lower local tier to promote blocks from into the top one (both on)?"""
+    on = [getattr(config.tiers, t.name).enabled for t in SPECS if t.local]
+    return bool(on) and on[0] and any(on[1:]) and SPECS[0].local
+
+
+def _described(name: str, cfg) -> str:
+    """A tier in the start-up line: its size and its folder, where it has them."""
+    gb = getattr(cfg, "capacity_gb", None)
+    return " ".join([name] + ([f"{gb:.2f} GiB"] if gb is not None else [])
+                    + ([cfg.path or "temp folder"] if hasattr(cfg, "path") else []))
+
+
+# vLLM's names of where a hit came from (vllm:prompt_tokens_cached_by_source{source}), each medium's
+# from its spec (a name this vLLM does not have: external_unspecified)
+HIT_SOURCES = {s.name: getattr(CacheHitSource, s.hit_source, CacheHitSource.EXTERNAL_UNSPECIFIED) for s in SPECS}
 
 
 class KVStoreMetadata(KVConnectorMetadata):
@@ -144,7 +158,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvstore: could not set kv_load_failure_policy=recompute")
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = load_config(overrides=extra)
-        codec = f"dram={self.config.tiers.dram.codec},nvme={self.config.tiers.nvme.codec}"  # lossy never serves lossless
+        codec = ",".join(f"{t.name}={getattr(self.config.tiers, t.name).codec}" for t in SPECS  # (dram=..,nvme=..)
+                         if t.local and hasattr(getattr(self.config.tiers, t.name), "codec"))  # lossy never serves lossless
         self.groups, self.off = kv_groups(vllm_config, kv_cache_config)
         self.planner: Planner | None = None
         self.mover: Mover | None = None
@@ -212,9 +227,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.to_dict()["tiers"], block_bytes, self.block_size, "kvstore connector")
             ) if self.config.trace_path else None
             self.planner = Planner(self.client, self.fingerprint, self.block_size,
-                                   # a prefetch promotes NVMe blocks into DRAM; without a DRAM tier there
-                                   # is nothing to wait for, so the lookup need not "ask again"
-                                   prefetch=self.config.tiers.nvme.enabled and self.config.tiers.dram.enabled,
+                                   # a prefetch promotes a lower local tier's blocks into the top one;
+                                   # without both there is nothing to wait for, so the lookup need not
+                                   # "ask again"
+                                   prefetch=_prefetches(self.config),
                                    trace=trace, trace_tokens=self.config.trace_tokens,
                                    async_loads=self.config.io.async_loads,
                                    async_saves=self.config.io.async_saves,
@@ -225,7 +241,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                                                                                 LocalClient),
                                    groups=self.groups)
         tiers = (f"the node daemon {self.config.node.name!r}" if self.config.mode == "node" else
-                 f"dram {self.config.tiers.dram.capacity_gb:.2f} GiB, nvme {self.config.tiers.nvme.path or 'temp folder'}")
+                 ", ".join(_described(t.name, getattr(self.config.tiers, t.name)) for t in SPECS
+                           if getattr(self.config.tiers, t.name).enabled) or "no tier")
         log.info("kvstore connector (%s): %s, %d bytes/block, %s%s%s", role.name,
                  self.fingerprint.model, block_bytes, tiers,
                  "" if role == KVConnectorRole.WORKER else f", store {type(self.client).__name__}",

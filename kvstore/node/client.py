@@ -66,6 +66,7 @@ from kvstore.store.cost import Rates
 from kvstore.store.events import BlockMeta
 from kvstore.store.handles import PrefixMatch, check_keys, check_ttl
 from kvstore.store.metrics import StoreMetrics
+from kvstore.tiers.registry import top
 
 log = logging.getLogger(__name__)
 
@@ -594,7 +595,7 @@ class NodeStore:
         except (NodeUnavailable, RuntimeError) as e:
             if getattr(e, "sent", False):  # it may be reserved there: aborted once a connection works
                 self._queue(gen, ["end_store!", sid, []])
-            self.metrics.skipped.labels("dram", "node_down").inc(len(keys))
+            self.metrics.skipped.labels(top(), "node_down").inc(len(keys))
             return NodeReservation(keys, [None] * len(keys), 0, gen)
         self._opened(gen)
         with self._lock:

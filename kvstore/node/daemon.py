@@ -41,6 +41,7 @@ from kvstore.offload.private_server import PrivateServer
 from kvstore.offload.sockdir import open_folder, path_in
 from kvstore.store import KVStore
 from kvstore.store.machine import check_dram
+from kvstore.tiers.registry import top
 from kvstore.store.events import BlockMeta
 from kvstore.store.handles import check_keys, check_ttl
 
@@ -218,7 +219,8 @@ class NodeDaemon:
                                       tiers=dataclasses.replace(self.config.tiers, dram=dataclasses.replace(
                                           self.config.tiers.dram, capacity_gb=slab / (1 << 30))))
             s = KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, block_tokens=block_tokens,
-                        shared_dram=True, events=True, dram_prefault_bytes=first)
+                        events=True, check_memory=False,
+                        tier_options={top(): {"shared": True, "prefault_bytes": first}})
             if s.dram is not None and first < slab:
                 s.dram.limit(first)
             if s.dram is None:

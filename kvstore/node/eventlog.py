@@ -124,11 +124,8 @@ class EventLog:
             snap, end = self._snapshot, self.end
             if snap is not None and snap[0] >= self.first:
                 return snap
-        held = []
-        for t, holder in self.store.events.tiers:  # as TierEvents.held, without encoding a name
-            if holder is not t:  # (the remote tier's journal is all this store knows of it)
-                with t.lock:
-                    held.append((t.name, t.index.keys()))
+        # as TierEvents.held, without encoding a name (a shared tier vouches for none of its keys)
+        held = [(t.name, t.held_keys()) for t in self.store.events.tiers if not t.shared]
         with self.lock:
             self._snapshot = (end, held)
         return end, held

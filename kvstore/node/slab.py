@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from kvstore.tiers.dram.pool import cuda_available, cuda_register, cuda_unregister, map_shared, populate
+from kvstore.tiers.memory import cuda_available, cuda_register, cuda_unregister, map_shared, populate
 
 log = logging.getLogger(__name__)
 

@@ -185,11 +185,6 @@ class CopyJobs:
             self._loaded, self._load_errors, self._failed = set(), set(), set()
         return done, bad, failed
 
-    def in_flight(self) -> dict:
-        """Counts of what is queued or running (for logs and tests)."""
-        with self._cond:
-            return {"saving": dict(self._saving), "stored": len(self._stored), "loading": self._loading}
-
     def close(self, timeout: float | None = 30.0) -> None:
         if self._closed:
             return

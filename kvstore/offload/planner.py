@@ -63,7 +63,10 @@ from kvstore.offload.groups import KVGroups
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.replay import GENUINE, REPLAY, ReplayMemory, prompt_digest
 from kvstore.store.stepcost import pairs
+from kvstore.tiers.registry import rank, top
 from kvstore.trace import TraceWriter
+
+TOP = top()  # the medium whose slots the engine's copies reach: a hit there loads in the step
 
 log = logging.getLogger(__name__)
 
@@ -272,10 +275,10 @@ class Planner:
         if st.prefetch is None:
             st.origin = m.tiers
         st.found, st.miss_reason = m.num_blocks, m.miss_reason
-        st.load_async = self.async_loads and any(t != "dram" for t in m.tiers[skip:m.num_blocks])
+        st.load_async = self.async_loads and any(t != TOP for t in m.tiers[skip:m.num_blocks])
         if self.async_loads:
             return max(0, m.num_blocks * self.bs - num_computed)
-        if self.prefetch_enabled and st.prefetch is None and any(t != "dram" for t in m.tiers[skip:]):
+        if self.prefetch_enabled and st.prefetch is None and any(t != TOP for t in m.tiers[skip:]):
             st.prefetch = self.client.prefetch(keys[skip: m.num_blocks])
             return None
         hit = m.num_blocks * self.bs
@@ -300,7 +303,7 @@ class Planner:
             st.found, st.miss_reason = skip, "load_failed"
             return 0
         self.keys_upto(st, top)
-        reason, tiers = None, ["dram"] * top
+        reason, tiers = None, [TOP] * top
         m_full = top
         if G.full:
             cols = [self.group_keys(st, g.index, top) for g in G.full]
@@ -308,9 +311,8 @@ class Planner:
                                             held=skip * len(cols))
             m_full = m.num_blocks // len(cols)
             reason = m.miss_reason if m_full < top else None
-            order = {"dram": 0}
             for i in range(m_full):  # each block's slowest tier among the groups
-                tiers[i] = max(m.tiers[i * len(cols):(i + 1) * len(cols)], key=lambda t: order.get(t, 1))
+                tiers[i] = max(m.tiers[i * len(cols):(i + 1) * len(cols)], key=rank)
 
         def probe(g, need: list[int]) -> tuple[int, str | None]:
             keys = self.group_keys(st, g.index, need[-1] + 1)
@@ -351,7 +353,7 @@ class Planner:
         ok = picks is not None and got == len(keys)
         if ok:
             st.saved_blocks = max(st.saved_blocks, k)
-        tiers = tuple(st.origin[i] if i < len(st.origin) else "dram" for i in range(first, k))
+        tiers = tuple(st.origin[i] if i < len(st.origin) else TOP for i in range(first, k))
         self._async_pending.append(LoadPlan(st.req_id, ids, hid, num_external, first, tiers,
                                             REPLAY if st.replay else GENUINE, groups))
         return (k - first) if ok else 0, tiers

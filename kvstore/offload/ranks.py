@@ -27,8 +27,8 @@ from kvstore.offload.client import MAX_PREFETCHES, StoreClient
 from kvstore.offload.metrics import RequestOutcome
 from kvstore.offload.shared import new_id
 from kvstore.store import PrefixMatch
+from kvstore.tiers.registry import rank
 
-_SLOW = {"dram": 0, "nvme": 1, "remote": 2}
 
 
 class RankedClient:
@@ -44,7 +44,7 @@ class RankedClient:
               for i, c in enumerate(self.clients)]
         low = min(ms, key=lambda m: m.num_blocks)
         n = low.num_blocks
-        tiers = tuple(max((m.tiers[i] for m in ms), key=lambda t: _SLOW.get(t, 3)) for i in range(n))
+        tiers = tuple(max((m.tiers[i] for m in ms), key=rank) for i in range(n))
         return PrefixMatch(n, tiers, low.miss_reason if n < len(keys) else None)
 
     def prefetch(self, keys) -> int:
@@ -75,7 +75,7 @@ class RankedClient:
                     pass
             raise
         got = min(p[1] for p in pins)
-        tiers = tuple(max((p[2][i] for p in pins), key=lambda t: _SLOW.get(t, 3)) for i in range(got))
+        tiers = tuple(max((p[2][i] for p in pins), key=rank) for i in range(got))
         return tuple(p[0] for p in pins), got, tiers
 
     def end_load(self, handle_id) -> None:

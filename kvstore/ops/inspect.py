@@ -129,10 +129,6 @@ FOOTNOTE = ("namespaces are digests (model fingerprint + the remote tier's codec
             "digest when tiers.remote.codec equals tiers.nvme.codec)")
 
 
-def is_remote_url(target: str) -> bool:
-    return target.startswith(("redis://", "rediss://"))
-
-
 def _seed(url: str) -> tuple[str, int, int, bool, str]:
     """host, port, db, tls, and the url as messages show it (never with credentials)."""
     try:

@@ -64,45 +64,33 @@ class BlockMeta:
 
 
 class TierEvents:
-    """The journals of the ``announced`` tiers (DRAM, NVMe: their index; Redis: itself) and the
-    metadata of the blocks they hold."""
+    """The journals of the ``announced`` tiers (each tier keeps its own: a local tier's index, a
+    shared tier what this engine wrote there and found gone) and the metadata of the blocks they
+    hold."""
 
     def __init__(self, tiers: Sequence, announced: Sequence[str]):
-        self.all = [t for t in tiers if hasattr(t, "index")]  # every local tier (a key held anywhere)
-        # the announced tiers, each with what keeps its journal: its index, or the tier itself (Redis
-        # keeps the index; what this engine wrote there and what a read found gone are all it sees)
-        self.tiers = [(t, t.index if hasattr(t, "index") else t) for t in tiers
-                      if t.name in announced and hasattr(getattr(t, "index", t), "journal")]
+        self.all = [t for t in tiers if not t.shared]  # every local tier (a key held anywhere)
+        self.tiers = [t for t in tiers if t.name in announced]
         self.meta: dict[bytes, BlockMeta] = {}
         self._lock = threading.Lock()
         self._gone: list[list[bytes]] = [[], []]  # keys that may be held nowhere, checked two takes later
         self._first: list[tuple[str, bytes]] = []
-        for t in self.all:
-            scanned = getattr(t, "scanned_meta", None)
-            if scanned:
-                for k, body in scanned.items():
-                    m = BlockMeta.decode(body)
-                    if m is not None:
-                        self.meta[k] = m
-            if hasattr(t, "scanned_meta"):
-                t.scanned_meta = None
-            if hasattr(t, "meta_of"):  # the files keep the metadata (a restart announces them)
-                t.meta_of = self._body_of
-        for t, holder in self.tiers:
-            with t.lock:
-                holder.journal = []
-                if holder is not t:
-                    self._first.extend((t.name, k) for k in t.index.keys())
+        for t in self.all:  # a medium that keeps the metadata itself (a restart announces its blocks)
+            for k, body in t.keep_meta(self._body_of).items():
+                m = BlockMeta.decode(body)
+                if m is not None:
+                    self.meta[k] = m
+        for t in self.tiers:
+            self._first.extend((t.name, k) for k in t.journal_on())
         # the local tiers not announced journal too: what leaves them is never sent, but its
         # metadata must go once no tier holds the block (a block demoted into an NVMe tier that is
         # not announced, then evicted there, left its metadata here for good)
-        announced = {id(t) for t, _ in self.tiers}
+        announced = {id(t) for t in self.tiers}
         self._quiet = [t for t in self.all if id(t) not in announced]
         for t in self._quiet:
-            with t.lock:
-                t.index.journal = []
-        held = {k for t in self.all for k in t.index.entries}
-        self.meta = {k: m for k, m in self.meta.items() if k in held}
+            t.journal_on()
+        held = {k for t in self.all for k in t.held_keys()}
+        self.meta = {k: m for k, m in self.meta.items() if k in held or any(t.state_of(k) is not None for t in self.all)}
 
     def _body_of(self, key: bytes) -> bytes | None:
         m = self.meta.get(key)
@@ -120,17 +108,13 @@ class TierEvents:
         """(STORED, tier name, metadata) of every block the announced local tiers hold now (a node
         daemon's new reader starts from these)."""
         out = []
-        for t, holder in self.tiers:
-            if holder is t:  # the remote tier: what this store wrote there is in its journal only
-                continue
-            with t.lock:
-                keys = t.index.keys()
-            out.extend((STORED, t.name, m) for k in keys if (m := self.meta.get(k)) is not None)
+        for t in self.tiers:
+            out.extend((STORED, t.name, m) for k in t.held_keys() if (m := self.meta.get(k)) is not None)
         return out
 
     def due(self, now: float) -> bool:
-        """Is anything past its TTL in an announced tier (a sweep would remove it)?"""
-        return any(t.index.due(now) for t in self.all)
+        """Is anything past its TTL in a local tier (a sweep would remove it)?"""
+        return any(t.due(now) for t in self.all)
 
     def take(self) -> list[tuple[bool, str, BlockMeta]]:
         """(STORED or REMOVED, tier name, metadata) since the last call, in order per tier."""
@@ -142,10 +126,8 @@ class TierEvents:
             if m is not None:
                 out.append((STORED, name, m))
         gone: list[bytes] = []
-        for t, holder in self.tiers:
-            with t.lock:
-                j, holder.journal = holder.journal, []
-            for stored, k in j:
+        for t in self.tiers:
+            for stored, k in t.journal_take():
                 m = meta.get(k)
                 if m is None:
                     continue
@@ -153,14 +135,12 @@ class TierEvents:
                 if not stored:
                     gone.append(k)
         for t in self._quiet:
-            with t.lock:
-                j, t.index.journal = t.index.journal, []
-            gone.extend(k for stored, k in j if not stored)
+            gone.extend(k for stored, k in t.journal_take() if not stored)
         with self._lock:  # metadata of blocks no tier holds any more (a demotion in flight is held below)
             old, newer = self._gone
             again = []
             for k in old:
-                held = [e.state for t in self.all if (e := t.index.entries.get(k)) is not None]
+                held = [st for t in self.all if (st := t.state_of(k)) is not None]
                 if not held:
                     meta.pop(k, None)
                 elif READY not in held:  # only being written: an abort journals nothing, so look again

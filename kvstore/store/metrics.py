@@ -19,10 +19,11 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.exposition import generate_latest
 
+from kvstore.tiers.registry import NAMES
 from kvstore.store.placement import MISS_REASONS  # noqa: F401 (re-exported; the rules module owns them)
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-TIERS = ("dram", "nvme", "remote")  # the tier label's values
+TIERS = NAMES  # the tier label's values: every registered medium
 KINDS = ("replay", "genuine")  # the kind label's values (kvstore.offload.replay)
 
 log = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from kvstore.config import StoreConfig
 from kvstore.tiers.dram.tier import headroom_slots
 from kvstore.tiers.fileformat import round_up
+from kvstore.tiers.registry import SPECS
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
                "fp8": 1, "float8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
@@ -99,22 +100,27 @@ def tier_blocks(capacity_bytes: int, block_bytes: int) -> int:
 
 
 def tier_lines(cfg: StoreConfig, block_bytes: int, block_tokens: int) -> list[str]:
-    """One phrase per local tier: ``dram 8 GiB = 4,096 blocks = 65,536 tokens``."""
+    """One phrase per tier, in chain order: ``dram 8 GiB = 4,096 blocks = 65,536 tokens`` for a
+    local tier (its slots held back for write-backs, if it keeps some), a shared one's block size
+    (its server sizes it), ``<name> off``."""
     out = []
-    d, n = cfg.tiers.dram, cfg.tiers.nvme
-    for name, t in (("dram", d), ("nvme", n)):
+    specs = [s for s in SPECS if s.local or getattr(cfg.tiers, s.name).enabled]  # a shared tier off: unsaid
+    for i, spec in enumerate(specs):
+        name, t = spec.name, getattr(cfg.tiers, spec.name)
         if not t.enabled:
             out.append(f"{name} off")
             continue
+        if not spec.local:
+            out.append(f"{name} {fmt_bytes(block_bytes)} per block (sized by its server)")
+            continue
         blocks = tier_blocks(t.capacity_bytes, block_bytes)
         s = f"{name} {fmt_bytes(t.capacity_bytes)} = {blocks:,} blocks = {blocks * block_tokens:,} tokens"
-        if name == "dram" and n.enabled:
-            h = headroom_slots(blocks, d.headroom_blocks)
+        below = next((b.name for b in specs[i + 1:] if b.local and getattr(cfg.tiers, b.name).enabled), None)
+        if below is not None and hasattr(t, "headroom_blocks"):
+            h = headroom_slots(blocks, t.headroom_blocks)
             if h:
-                s += f" ({h:,} blocks kept free for write-backs to nvme)"
+                s += f" ({h:,} blocks kept free for write-backs to {below})"
         out.append(s)
-    if cfg.tiers.remote.enabled:
-        out.append(f"remote {fmt_bytes(block_bytes)} per block (sized by the Redis server's maxmemory)")
     return out
 
 

@@ -40,12 +40,19 @@ from kvstore.store.handles import LoadHandle, PrefixMatch, StoreHandle, check_ke
 from kvstore.store.metrics import StoreMetrics
 from kvstore.store.moves import Moves
 from kvstore.tiers import TierSet
+from kvstore.tiers.registry import NAMES, SPECS
 from kvstore.tiers.base import Tier
-from kvstore.tiers.dram.pool import PAGE, alloc_aligned
+from kvstore.tiers.memory import PAGE, alloc_aligned
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KVStore", "PrefixMatch", "StoreHandle", "LoadHandle"]
+
+
+def _io_threads(config: StoreConfig) -> int:
+    """The store's I/O pool: as many threads as the local tier that asks the most."""
+    return max((getattr(config.tiers, s.name).io_threads for s in SPECS
+                if s.local and hasattr(getattr(config.tiers, s.name), "io_threads")), default=4)
 
 
 def _scratch(n: int, block_bytes: int) -> np.ndarray:
@@ -94,12 +101,13 @@ class KVStore:
         group_elems: int | None = None,
         io_executor: Executor | None = None,
         events: bool = False,
-        shared_dram: bool = False,
-        dram_prefault_bytes: int | None = None,
+        tier_options: dict[str, dict] | None = None,
+        check_memory: bool = True,
     ):
-        """``shared_dram``: the DRAM slab in one memfd that a node daemon hands to the engines it
-        serves (:mod:`kvstore.node`), so their copies move bytes to and from it directly;
-        ``dram_prefault_bytes``: how much of the slab is pre-faulted (None: all of it)."""
+        """``tier_options``: per medium, what its tier takes beyond its config section (a node
+        daemon's DRAM slab in one memfd it hands to its engines, :mod:`kvstore.node`);
+        ``check_memory``: refuse a config asking more memory than this machine has (a node
+        daemon checks its whole budget once, at its start)."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.config = config or StoreConfig()
@@ -108,27 +116,27 @@ class KVStore:
         self.clock = clock
         self.root = root_of(fingerprint)
         self._gate = Gate()  # the calls in flight and the handles open, for close
-        if dram_prefault_bytes is None:  # (a node daemon checks its whole budget once, at its start)
+        if check_memory:
             check_dram(self.config)  # a pool above this machine's free memory: ConfigError (tiers.dram.capacity_gb)
         self.metrics = metrics or StoreMetrics(port=self.config.metrics.port, host=self.config.metrics.host)
         try:
             self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
-                                     clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events,
-                                     shared_dram=shared_dram, dram_prefault_bytes=dram_prefault_bytes)
+                                  clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events,
+                                  options=tier_options)
         except BaseException:
             self.metrics.close()
             raise
         self.geometry = self._tiers.geometry
-        self.namespace, self.remote_namespace = self._tiers.namespace("nvme"), self._tiers.namespace("remote")
+        self.namespace = self._tiers.first_namespace
         self.chain = TierChain(self._tiers.tiers, clock=clock, ghost_capacity=ghost_capacity)
         self.moves = Moves(self.chain, self.metrics, block_bytes=self.block_bytes,
-                           io_threads=self.config.tiers.nvme.io_threads, executor=io_executor)
+                           io_threads=_io_threads(self.config), executor=io_executor)
         self.rates = Rates(use=self.config.io.load_only_if_faster)  # tier reads (measured here), the engine's prefill
         self.metrics.attach(self, fingerprint)
         # KV events (issue 32; ``events``: someone drains them, take_events): the announced tiers'
         # journals and the metadata of their blocks
         ev = self.config.events
-        self.events = TierEvents(self.chain.tiers, [n for n in ("dram", "nvme", "remote") if getattr(ev, n).medium]) \
+        self.events = TierEvents(self.chain.tiers, [s.name for s in SPECS if getattr(ev, s.name).medium]) \
             if events else None
         self._sweeping: Future | None = None
 
@@ -136,9 +144,11 @@ class KVStore:
     def tier(self, name: str) -> Tier | None:
         return next((t for t in self.chain.tiers if t.name == name), None)
 
-    dram = property(lambda self: self.tier("dram"))
-    nvme = property(lambda self: self.tier("nvme"))
-    remote = property(lambda self: self.tier("remote"))
+    def __getattr__(self, name: str):
+        """``store.<medium>``: that tier, or None when it is off (a registered medium's name)."""
+        if name in NAMES:
+            return self.tier(name)
+        raise AttributeError(f"'KVStore' object has no attribute {name!r}")
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

@@ -150,6 +150,36 @@ class Tier(ABC):
         """An addressable tier's whole slot (padded, page aligned: written to files in place)."""
         raise TypeError(f"the {self.name} tier has no slots to view")
 
+    # -- KV events (kvstore.store.events) -----------------------------------------------------------
+    def journal_on(self) -> list[bytes]:
+        """Start journaling what becomes servable here and what leaves; returns the keys it holds
+        now (announced by the first take). A shared tier vouches for none: what this engine
+        wrote there and what a read found gone are all it sees."""
+        return []
+
+    def journal_take(self) -> list[tuple[bool, bytes]]:
+        """``(True, key)`` for a block that became servable, ``(False, key)`` for one that left,
+        in order, since the last take."""
+        return []
+
+    def held_keys(self) -> list[bytes]:
+        """Every servable key it holds (a shared tier: none it can vouch for)."""
+        return []
+
+    def state_of(self, key: bytes) -> int | None:
+        """A local tier's entry state for ``key`` (READY, WRITING), or None: not indexed here."""
+        return None
+
+    def due(self, now: float) -> bool:
+        """Is a block past its TTL here (a sweep would remove it)?"""
+        return False
+
+    def keep_meta(self, body_of) -> dict[bytes, bytes]:
+        """A medium that keeps each block's event metadata itself (NVMe's files, so a restart
+        announces them) takes ``body_of(key)``, and returns the bodies its start-up scan found
+        (given once). Others: {}."""
+        return {}
+
     # -- accounting --------------------------------------------------------------------------------
     ttl: float | None = None  # idle TTL of its blocks (None: no expiry)
     stats: dict

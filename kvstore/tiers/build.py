@@ -1,12 +1,13 @@
-"""The tiers a config asks for, opened top first: DRAM, NVMe, then the shared Redis tier.
+"""The tiers a config asks for, opened in chain order: each registered medium
+(:mod:`kvstore.tiers.registry`) whose section is enabled, by its spec's ``open``.
 
-The one place that knows every medium: a new tier is a module of :mod:`kvstore.tiers` and a
-few lines here (and its section of :mod:`kvstore.config`); the store and the chain only loop
-over what this returns.
+What a medium's ``open`` may ask of the set: the block's bytes, the clock, its namespace and codec,
+whether a local tier sits below it, whether it is announced on the KV-event stream, the options
+the caller gave it (a node daemon's DRAM slab), and a temporary folder removed at close.
 
 Each tier's namespace is the model fingerprint's root plus the tier's codec (and, for a codec,
 the element dtype and scale group), so a folder or a Redis namespace never mixes blocks of
-different bytes; NVMe's and Redis's are the same when their codecs are.
+different bytes; two tiers' are the same when their codecs are.
 """
 
 from __future__ import annotations
@@ -15,17 +16,16 @@ import math
 import os
 import shutil
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import xxhash
 
 from kvstore.codecs import DTYPES, Geometry, make_codec, normalize_dtype
-from kvstore.codecs.registry import CODEC_IDS
-from kvstore.config import ConfigError, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.keys import ModelFingerprint, root_of
 from kvstore.tiers.base import Tier
-
-ENV_USER, ENV_PASSWORD = "KVSTORE_REDIS_USERNAME", "KVSTORE_REDIS_PASSWORD"
+from kvstore.tiers.registry import SPECS
+from kvstore.tiers.spec import TierSpec
 
 
 class TierSet:
@@ -34,82 +34,71 @@ class TierSet:
 
     def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint | bytes,
                  clock: Callable[[], float] = time.time, kv_dtype: str | None = None, group_elems: int | None = None,
-                 events: bool = False, shared_dram: bool = False, dram_prefault_bytes: int | None = None):
-        """``shared_dram``: the DRAM slab in one memfd, for a node daemon's engines (kvstore.node);
-        ``dram_prefault_bytes``: how much of it is pre-faulted (None: all)."""
+                 events: bool = False, options: dict[str, dict[str, Any]] | None = None):
+        """``options``: per medium name, what its ``open`` takes beyond its section (a node
+        daemon's DRAM slab in a memfd); ``events``: the store keeps KV events."""
         self.tiers: list[Tier] = []
+        self.config = config
+        self.clock = clock
+        self._events = events
+        self._options = options or {}
         self._namespaces: dict[str, bytes] = {}
-        self._tmpdir: str | None = None  # the NVMe tier's folder when it has no path: removed at close
+        self._tmpdir: str | None = None  # a tier's folder when it has no path: removed at close
         self._tmplock = -1  # its owner lock (kvstore/tiers/nvme/folder.py, make_temp_folder)
         self.block_bytes = int(block_bytes)
         self.geometry = _geometry(block_bytes, fingerprint, kv_dtype, group_elems)
         self._root = root_of(fingerprint)
-        t = config.tiers
-        if t.dram.enabled and t.dram.codec != "none":
-            raise ConfigError("tiers.dram.codec", t.dram.codec,
-                              "none (DRAM codecs are not implemented yet; set int8/fp8/zstd on tiers.nvme.codec)")
-        self._namespace("nvme", t.nvme.codec)
+        for s in SPECS:  # every namespace, opened or not (the store's own is the first's)
+            if s.namespaced:
+                self._namespace(s.name, getattr(self.section(s), "codec", "none"))
         try:
-            if t.dram.enabled:
-                self._open_dram(t.dram, has_lower=t.nvme.enabled, clock=clock, shared=shared_dram,
-                                prefault=dram_prefault_bytes)
-            if t.nvme.enabled:
-                self._open_nvme(t.nvme, clock=clock, keep_meta=events and config.events.nvme.medium is not None)
-            if t.remote.enabled:
-                self._open_redis(t.remote)
+            for s in SPECS:
+                if self.section(s).enabled:
+                    tier = s.open(self, self.section(s))
+                    if tier is not None:
+                        self.tiers.append(tier)
         except BaseException:
             self.close()
             raise
 
+    # -- what a medium's open asks ----------------------------------------------------------------
+    def section(self, spec: TierSpec):
+        return getattr(self.config.tiers, spec.name)
+
+    def options(self, name: str) -> dict[str, Any]:
+        return self._options.get(name, {})
+
+    def has_local_below(self, spec: TierSpec) -> bool:
+        """Is a local tier enabled below ``spec``'s (where its victims are written down)?"""
+        return any(s.local and s.order > spec.order and self.section(s).enabled for s in SPECS)
+
+    def announced(self, spec: TierSpec) -> bool:
+        """Does the store announce this tier's blocks on the KV-event stream?"""
+        return self._events and getattr(self.config.events, spec.name).medium is not None
+
     def namespace(self, name: str) -> bytes | None:
         return self._namespaces.get(name)
+
+    @property
+    def first_namespace(self) -> bytes | None:
+        """The namespace of the first namespaced medium (the store's, in its metrics and files)."""
+        return next(iter(self._namespaces.values()), None)
 
     def _namespace(self, name: str, codec: str) -> bytes:
         tag = b"" if codec == "none" else f",dtype={self.geometry.dtype},group={self.geometry.group_elems}".encode()
         ns = self._namespaces[name] = xxhash.xxh3_128_digest(self._root + f"codec={codec}".encode() + tag)
         return ns
 
-    def _codec(self, cfg):
+    def codec(self, cfg):
         return make_codec(cfg.codec, self.geometry, cfg.zstd_level) if cfg.codec != "none" else None
 
-    def _open_dram(self, cfg, *, has_lower: bool, clock, shared: bool = False, prefault: int | None = None) -> None:
-        from kvstore.tiers.dram import DramTier
+    def temporary_folder(self) -> str:
+        """A private temporary folder, removed at close (or, after a crash, by the next store)."""
+        from kvstore.tiers.nvme.folder import make_temp_folder
 
-        tier = DramTier(capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s, policy=cfg.policy,
-                        block_bytes=self.block_bytes, clock=clock, pin=cfg.pin_memory,
-                        headroom=cfg.headroom_blocks if has_lower else 0, shared=shared,
-                        prefault_bytes=prefault)
-        if tier.pool.n_slots == 0:  # a pool without a slot is no tier
-            tier.close()
-            return
-        tier.index.ttl_shared = cfg.ttl_shared_s
-        self.tiers.append(tier)
-
-    def _open_nvme(self, cfg, *, clock, keep_meta: bool = False) -> None:
-        from kvstore.tiers.nvme import NvmeTier
-
-        path = cfg.path
-        if path is None:
-            from kvstore.tiers.nvme.folder import make_temp_folder
-
+        if self._tmpdir is None:
             self._tmpdir, self._tmplock = make_temp_folder()
-            path = self._tmpdir
-        tier = NvmeTier(path=path, namespace=self._namespaces["nvme"], capacity_bytes=cfg.capacity_bytes,
-                        ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=self.block_bytes,
-                        codec_id=CODEC_IDS[cfg.codec], o_direct=cfg.o_direct, header=cfg.header, clock=clock,
-                        codec=self._codec(cfg), engine=cfg.engine, engine_depth=cfg.engine_depth,
-                        io_threads=cfg.io_threads, keep_meta=keep_meta)
-        tier.index.ttl_shared = cfg.ttl_shared_s
-        tier.write_through = cfg.write_mode == "write_through"
-        tier.admit_after = cfg.admit_after
-        self.tiers.append(tier)
-
-    def _open_redis(self, cfg) -> None:
-        from kvstore.tiers.redis import RedisTier
-
-        ns = self._namespace("remote", cfg.codec)
-        self.tiers.append(RedisTier.open(cfg, namespace=ns, block_bytes=self.block_bytes, codec=self._codec(cfg),
-                                         codec_id=CODEC_IDS[cfg.codec], environ=os.environ))
+        return self._tmpdir
 
     def close(self, keep_memory: bool = False) -> None:
         """Close every tier (``keep_memory``: not the DRAM tier, whose slab a handle still open
@@ -128,7 +117,7 @@ class TierSet:
 
     @property
     def temporary(self) -> bool:
-        """Is the NVMe tier's folder one this set made, to be removed at close?"""
+        """Is a tier's folder one this set made, to be removed at close?"""
         return self._tmpdir is not None
 
 

@@ -190,6 +190,31 @@ class LocalTier(Tier):
                 return True
             return False
 
+    # -- KV events: the index journals (TierIndex.journal) --------------------------------------
+    def journal_on(self) -> list[bytes]:
+        with self.lock:
+            self.index.journal = []
+            return list(self.index.keys())
+
+    def journal_take(self) -> list[tuple[bool, bytes]]:
+        with self.lock:
+            j = self.index.journal
+            if j is None:
+                return []
+            self.index.journal = []
+        return j
+
+    def held_keys(self) -> list[bytes]:
+        with self.lock:
+            return list(self.index.keys())
+
+    def state_of(self, key: bytes) -> int | None:
+        e = self.index.entries.get(key)  # (a dict read; the caller takes what it sees)
+        return None if e is None else e.state
+
+    def due(self, now: float) -> bool:
+        return self.index.due(now)
+
     def consult(self, what: str) -> None:
         """Its capacity or TTL decided something outside the index (a demotion past its TTL)."""
         self.index.consulted[what] = True

@@ -14,7 +14,8 @@ import numpy as np
 
 from kvstore.tiers.fileformat import round_up
 from kvstore.tiers.index import Entry
-from kvstore.tiers.dram.pool import CHUNK_BYTES, SlabPool, as_bytes
+from kvstore.tiers.dram.pool import CHUNK_BYTES, SlabPool
+from kvstore.tiers.memory import as_bytes
 from kvstore.tiers.local import LocalTier
 
 

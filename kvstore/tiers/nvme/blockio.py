@@ -30,7 +30,7 @@ import numpy as np
 from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
 from kvstore.tiers.index import Entry
-from kvstore.tiers.dram.pool import alloc_aligned, as_bytes, is_aligned
+from kvstore.tiers.memory import alloc_aligned, as_bytes, is_aligned
 from kvstore.tiers.nvme.folder import discard
 
 try:

@@ -112,6 +112,19 @@ class RedisTier(Tier):
             with self.lock:
                 self.journal.extend((True, k) for k in stored)
 
+    def journal_on(self) -> list[bytes]:
+        with self.lock:
+            self.journal = []
+        return []
+
+    def journal_take(self) -> list[tuple[bool, bytes]]:
+        with self.lock:
+            j = self.journal
+            if j is None:
+                return []
+            self.journal = []
+        return j
+
     # -- reads: nothing to pin -----------------------------------------------------------------------
     def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
         """Entries for keys a lookup found here (Redis refreshes a hit's TTL when it is read)."""
