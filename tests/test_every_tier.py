@@ -1,4 +1,5 @@
-"""The Tier contract (kvstore.tiers.base) over every medium: DRAM, NVMe, Redis (a real server),
+"""The Tier contract (kvstore.tiers.base) over every medium: DRAM, NVMe, Redis (a real server), a
+shared file system's folder,
 and the tuner's NoBytesTier for the parts that do not read bytes back.
 
 Exactly the calls the chain makes (kvstore.store.chain): begin_reserve / attach / write_many /
@@ -24,11 +25,13 @@ from kvstore.tiers.nobytes import NoBytesTier
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.redis.client import RedisClient
 from kvstore.tiers.redis.presence import Presence
+from kvstore.tiers.sharedfs import SharedFsTier
 
 from conftest import BLOCK, block_for, one_key
 from redis_servers import redis_single  # noqa: F401
 
-KINDS = ["dram", "nvme", "redis", "nobytes"]
+KINDS = ["dram", "nvme", "redis", "sharedfs", "nobytes"]
+SHARED = ("redis", "sharedfs")
 
 
 @pytest.fixture(params=KINDS)
@@ -45,6 +48,9 @@ def tier(request, tmp_path, clock, monkeypatch):
         client = RedisClient(url=srv.url, cluster=False, namespace=bytes(16 * [7]), block_bytes=BLOCK, ttl_s=60.0,
                              timeout_ms=2000, password=srv.password)
         t = RedisTier(client, Presence(time.monotonic, ttl_s=0.0), BLOCK)
+    elif kind == "sharedfs":
+        t = SharedFsTier(path=str(tmp_path / "sfs"), namespace=bytes(range(16)), block_bytes=BLOCK,
+                         capacity_bytes=1 << 30, ttl_s=None, clock=clock, sweep=False)
     else:
         t = NoBytesTier("nobytes", capacity_bytes=1 << 30, ttl_s=None, policy="lru", entry_bytes=BLOCK, clock=clock)
     t.kind = kind
@@ -105,7 +111,7 @@ def test_damaged_data_is_a_miss_from_then_on(tier):
     store(tier, keys, [block_for(k) for k in keys])
     if tier.kind == "dram":
         pytest.skip("memory cannot be damaged from outside the process")
-    if tier.kind == "nvme":
+    if tier.kind in ("nvme", "sharedfs"):
         with open(tier.path_of(keys[1]), "r+b") as f:
             f.seek(-1, 2)
             b = f.read(1)
@@ -126,6 +132,6 @@ def test_damaged_data_is_a_miss_from_then_on(tier):
 
 
 def test_shared_and_local_tiers_say_which_they_are(tier):
-    assert tier.shared == (tier.kind == "redis")
+    assert tier.shared == (tier.kind in SHARED)
     assert tier.addressable == (tier.kind == "dram")
     assert (tier.ttl is None) == (tier.kind != "redis") and (tier.ttl is None or math.isfinite(tier.ttl))

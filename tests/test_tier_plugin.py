@@ -121,7 +121,7 @@ def test_a_medium_registered_by_entry_point_only_sits_in_the_chain_and_serves_ri
     p = _run(tmp_path, DRIVE)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["names"] == ["dram", "heap", "nvme", "remote"] and r["tiers_label"] == r["names"]
+    assert r["names"] == ["dram", "heap", "nvme", "remote", "sharedfs"] and r["tiers_label"] == r["names"]
     assert "tiers.heap.colour" in r["bad_key"]  # its section is checked like any other
     assert r["chain"] == ["dram", "heap"]  # its order (150): between DRAM and NVMe (off here)
     assert r["found"] == 8 and r["got"] == 8 and r["right"]
@@ -132,5 +132,5 @@ def test_a_plug_in_that_does_not_load_costs_its_own_medium_only(tmp_path):
     _dist(tmp_path, "kvbroken", "broken", None)
     p = _run(tmp_path, "from kvstore.tiers.registry import NAMES; print(list(NAMES))")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.strip().splitlines()[-1] == "['dram', 'nvme', 'remote']"
+    assert p.stdout.strip().splitlines()[-1] == "['dram', 'nvme', 'remote', 'sharedfs']"
     assert "the tier plug-in 'broken'" in p.stderr and "left out" in p.stderr

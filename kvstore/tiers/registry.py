@@ -23,7 +23,8 @@ from kvstore.tiers.spec import TierSpec
 
 log = logging.getLogger(__name__)
 
-BUILT_IN = ("kvstore.tiers.dram.spec:SPEC", "kvstore.tiers.nvme.spec:SPEC", "kvstore.tiers.redis.spec:SPEC")
+BUILT_IN = ("kvstore.tiers.dram.spec:SPEC", "kvstore.tiers.nvme.spec:SPEC", "kvstore.tiers.redis.spec:SPEC",
+            "kvstore.tiers.sharedfs.spec:SPEC")
 GROUP = "kvstore.tiers"
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # section names a medium cannot take: they would shadow the config's own keys

@@ -1,0 +1,54 @@
+"""The shared file-system tier as kvstore knows it (``tiers.sharedfs``): its config section, its
+KV events, how it opens. Off while ``path`` is null."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore import configfields as F
+from kvstore.tiers.spec import TierSpec
+
+WRITE_MODES = ("write_through",)  # shared: a block is there before DRAM evicts it (as Redis)
+
+
+@dataclass(frozen=True)
+class SharedFsConfig(F.Sized):
+    """One folder on a file system every host mounts; several engines on several hosts write and
+    read it at once. ``capacity_gb`` and ``ttl_s`` (idle: a hit refreshes a file's time) hold for
+    all of them together: one sweeper at a time (a lease in the folder, taken over
+    ``lease_s`` after its holder stopped renewing it) removes what is past its TTL, then the
+    least recent files past the capacity, every ``sweep_s``."""
+
+    path: str | None = F.field(None, F.path, what="folder", expand=True)  # null: the tier is off
+    capacity_gb: float = F.field(100.0, F.number)
+    ttl_s: float | None = F.field(86400.0, F.ttl, **F.TTL)
+    codec: str = F.field("none", F.choice, choices=F.codec_names)
+    zstd_level: int = F.field(3, F.integer, minimum=1, maximum=19)
+    write_mode: str = F.field("write_through", F.choice, choices=WRITE_MODES)
+    sweep_s: float = F.field(10.0, F.number, minimum=0.05, maximum=86400)
+    lease_s: float = F.field(60.0, F.number, minimum=0.1, maximum=86400)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None and self.capacity_bytes > 0
+
+
+@dataclass(frozen=True)
+class SharedFsEvents:
+    """Off unless asked: every engine sharing the folder would announce the same blocks."""
+
+    medium: str | None = F.field(None, F.word, choices=F.MEDIA, **F.NOT_ANNOUNCED)
+    locality: str | None = F.field("REMOTE", F.word, choices=F.LOCALITIES, **F.UNSPECIFIED)
+
+
+def open_tier(ts, cfg: SharedFsConfig):
+    from kvstore.codecs.registry import CODEC_IDS
+    from kvstore.tiers.sharedfs.tier import SharedFsTier
+
+    return SharedFsTier(path=cfg.path, namespace=ts.namespace(SPEC.name), block_bytes=ts.block_bytes,
+                        codec=ts.codec(cfg), codec_id=CODEC_IDS[cfg.codec], capacity_bytes=cfg.capacity_bytes,
+                        ttl_s=cfg.ttl_s, sweep_s=cfg.sweep_s, lease_s=cfg.lease_s)
+
+
+SPEC = TierSpec(name="sharedfs", order=400, config=SharedFsConfig, events=SharedFsEvents, open=open_tier,
+                hit_source="DISK", local=False, namespaced=True)

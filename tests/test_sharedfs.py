@@ -1,0 +1,304 @@
+"""The shared file-system tier (issue 48): one folder many hosts mount, many writers at once.
+
+Hosts are processes here (each its own writer id and sweeper) on one folder. What they must
+hold together: no wrong bytes, a capacity and an idle TTL kept within a sweep period, one sweeper
+at a time whose lease a dead holder gives up; and what one reader must: a torn, foreign, planted
+or vanished file is a counted miss, never served, never a crash. The contract every medium keeps
+is tests/test_every_tier.py's (this one included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BLOCK, FakeClock, block_for, one_key
+from kvstore.config import ConfigError, from_dict
+from kvstore.store import KVStore
+from kvstore.tiers import fileformat as ff
+from kvstore.tiers.sharedfs import SharedFsTier
+from kvstore.tiers.sharedfs.sweeper import LEASE, SKEW_S
+
+NS = bytes(range(16))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tier(folder, clock=None, cap_blocks: int = 1 << 20, ttl=None, **kw) -> SharedFsTier:
+    return SharedFsTier(path=str(folder), namespace=NS, block_bytes=BLOCK, capacity_bytes=cap_blocks * (BLOCK + 4096),
+                        ttl_s=ttl, clock=clock or time.time, sweep=False, **kw)
+
+
+def put(t: SharedFsTier, keys) -> list[bool]:
+    res = t.begin_reserve(keys)
+    oks = [t.write(e, block_for(e.key)) for e in res]
+    t.commit(res, oks)
+    return oks
+
+
+def get(t: SharedFsTier, key) -> np.ndarray | None:
+    out = np.zeros(BLOCK, np.uint8)
+    (e,) = t.acquire([key])
+    ok = t.read(e, out)
+    t.release([e], [ok])
+    return out if ok else None
+
+
+# -- one reader ---------------------------------------------------------------------------------
+
+def test_another_hosts_blocks_are_found_and_read_right(tmp_path):
+    a, b = tier(tmp_path), tier(tmp_path)
+    try:
+        keys = [one_key(i) for i in range(4)]
+        assert put(a, keys) == [True] * 4
+        assert b.leading(keys + [one_key(99)]) == 4  # the files are the truth: no index of a's
+        assert all(np.array_equal(get(b, k), block_for(k)) for k in keys)
+        assert oct(os.stat(a.path_of(keys[0])).st_mode & 0o777) == "0o600"
+        assert oct(os.stat(a.folder).st_mode & 0o777) == "0o700"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("truncate", "truncated"), ("flip", "bad_checksum"), ("foreign", "foreign"), ("header", "bad_header"),
+    ("symlink", "not_a_file"), ("mode", "loose_mode")])
+def test_a_bad_file_is_a_counted_miss_removed_and_storable_again(tmp_path, damage, reason):
+    t = tier(tmp_path / "sfs")
+    try:
+        k = one_key(1)
+        put(t, [k])
+        p = t.path_of(k)
+        if damage == "truncate":
+            os.truncate(p, os.path.getsize(p) - 100)
+        elif damage == "flip":
+            with open(p, "r+b") as f:
+                f.seek(-1, 2)
+                b = f.read(1)
+                f.seek(-1, 2)
+                f.write(bytes([b[0] ^ 1]))
+        elif damage == "foreign":  # another namespace's file under this key's name
+            other = SharedFsTier(path=str(tmp_path / "other"), namespace=bytes(16), block_bytes=BLOCK,
+                                 capacity_bytes=1 << 30, ttl_s=None, sweep=False)
+            put(other, [k])
+            os.replace(other.path_of(k), p)
+            other.close()
+        elif damage == "header":
+            with open(p, "r+b") as f:
+                f.seek(20)
+                f.write(b"\xff")
+        elif damage == "symlink":
+            secret = tmp_path / "secret"
+            secret.write_bytes(b"x" * 100)
+            os.unlink(p)
+            os.symlink(secret, p)
+        elif damage == "mode":
+            os.chmod(p, 0o666)
+        assert get(t, k) is None  # never served
+        assert t.corrupt_reasons.get(reason) == 1, t.corrupt_reasons
+        assert not os.path.lexists(p)  # removed (a link unlinked, never followed)
+        if damage == "symlink":
+            assert (tmp_path / "secret").read_bytes() == b"x" * 100
+        assert t.leading([k]) == 0 and put(t, [k]) == [True] and np.array_equal(get(t, k), block_for(k))
+    finally:
+        t.close()
+
+
+def test_a_file_gone_between_the_lookup_and_the_read_is_a_miss(tmp_path):
+    a, b = tier(tmp_path), tier(tmp_path)
+    try:
+        k = one_key(3)
+        put(a, [k])
+        assert b.leading([k]) == 1
+        os.unlink(a.path_of(k))  # another host's sweeper
+        assert get(b, k) is None and b.stats["missing"] == 1 and not b.corrupt_reasons
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_file_past_its_ttl_is_not_served_and_a_hit_refreshes_it(tmp_path):
+    clock = FakeClock(time.time())
+    t = tier(tmp_path, clock=clock, ttl=60)
+    try:
+        k, j = one_key(4), one_key(5)
+        put(t, [k, j])
+        clock.advance(40)
+        assert get(t, k) is not None  # a hit at +40 s: its file's time is now
+        os.utime(t.path_of(k), (clock(), clock()))  # (the file system's clock is the real one: set it to ours)
+        clock.advance(40)
+        assert t.holds([k, j]) == [True, False]  # j idle 80 s > 60: not served, though still there
+        assert get(t, j) is None and t.is_expired(j)
+        assert t.sweeper.round() == 1 and not os.path.exists(t.path_of(j))  # the sweeper's
+    finally:
+        t.close()
+
+
+def test_the_folder_is_checked_and_its_key_named(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    with pytest.raises(ConfigError, match=r"tiers\.sharedfs\.path"):
+        tier(loose)
+
+
+# -- the sweeper -------------------------------------------------------------------------------------
+
+def test_capacity_keeps_the_most_recent_files(tmp_path):
+    clock = FakeClock(time.time())
+    t = tier(tmp_path, clock=clock, cap_blocks=4)
+    try:
+        keys = [one_key(10 + i) for i in range(8)]
+        for i, k in enumerate(keys):
+            put(t, [k])
+            os.utime(t.path_of(k), (1000 + i, 1000 + i))  # written in order
+        os.utime(t.path_of(keys[0]), (2000, 2000))  # ... and keys[0] hit since
+        assert t.sweeper.round() == 4
+        assert t.holds(keys) == [True, False, False, False, False, True, True, True]
+        assert len(t) == 4 and t.used_bytes == 4 * (BLOCK + 4096) and t.stats["evicted"] == 4
+    finally:
+        t.close()
+
+
+def test_one_sweeper_at_a_time_and_a_dead_ones_lease_is_taken_over(tmp_path):
+    clock = FakeClock(time.time())
+    a, b = tier(tmp_path, clock=clock, sweep_s=1, lease_s=10), tier(tmp_path, clock=clock, sweep_s=1, lease_s=10)
+    try:
+        assert a.sweeper.round() == 0 and b.sweeper.round() is None  # a holds it
+        clock.advance(5)
+        assert a.sweeper.round() == 0  # renewed: until +15
+        clock.advance(14)
+        assert b.sweeper.round() is None  # a's lease still runs (and the skew after it)
+        # a stops renewing (dies): b takes over once the lease and the skew are past
+        clock.advance(1 + SKEW_S + 1)
+        assert b.sweeper.round() == 0 and b.stats["leases_taken"] == 1
+        assert a.sweeper.round() is None  # a, back: not the holder any more
+        lease = (a.folder / LEASE).read_text().split()
+        assert lease[0] == b.id
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_closed_sweeper_hands_the_lease_on_at_once(tmp_path):
+    a, b = tier(tmp_path), tier(tmp_path)
+    try:
+        assert a.sweeper.round() == 0 and b.sweeper.round() is None
+        a.close()
+        assert b.sweeper.round() == 0 and b.stats["leases_taken"] == 0  # nothing to take over
+    finally:
+        b.close()
+
+
+HOST = '''
+import json, os, sys, time
+import numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import BLOCK, block_for, one_key
+from kvstore.tiers.sharedfs import SharedFsTier
+t = SharedFsTier(path={folder!r}, namespace=bytes(range(16)), block_bytes=BLOCK, capacity_bytes={cap},
+                 ttl_s=None, sweep_s=0.2, lease_s=1.0, sweep={sweep})
+me = int(sys.argv[1])
+wrong = read = 0
+for r in range({rounds}):
+    keys = [one_key(1000 * (me + 1) + r), one_key(r)]  # its own block, and one every host writes
+    res = t.begin_reserve(keys)
+    t.commit(res, [e is not None and t.write(e, block_for(e.key)) for e in res])
+    for k in [one_key(r), one_key(1000 * ((me + 1) % {hosts} + 1) + r)]:
+        out = np.zeros(BLOCK, np.uint8)
+        (e,) = t.acquire([k])
+        if t.read(e, out):
+            read += 1
+            wrong += not np.array_equal(out, block_for(k))
+        t.release([e], None)
+print(json.dumps({{"wrong": wrong, "read": read, "corrupt": t.corrupt_reasons, "id": t.id}}), flush=True)
+if {hold}:
+    time.sleep(60)
+t.close()
+'''
+
+
+def _host(folder, me: int, *, hosts: int = 4, rounds: int = 60, cap: int = 1 << 30, sweep: bool = True,
+          hold: bool = False) -> subprocess.Popen:
+    code = HOST.format(tests=str(ROOT / "tests"), folder=str(folder), cap=cap, sweep=sweep, rounds=rounds, hosts=hosts,
+                       hold=hold)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(me)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_four_hosts_on_one_folder_read_no_wrong_byte_and_hold_the_capacity(tmp_path):
+    cap_blocks = 40  # far less than the 4 x 60 + 60 blocks they write
+    cap = cap_blocks * (BLOCK + 4096)
+    procs = [_host(tmp_path, i, cap=cap) for i in range(4)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(o["wrong"] for o in outs) == 0 and sum(o["read"] for o in outs) > 0
+    assert all(not o["corrupt"] for o in outs)  # a file replaced as it was read is a whole one
+    # one sweep period after the writers stop, the folder is within the capacity
+    t = tier(tmp_path, cap_blocks=cap_blocks)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            total = sum(f.stat().st_size for f in t.folder.rglob("*" + ff.SUFFIX))
+            if total <= cap or time.monotonic() > deadline:
+                break
+            t.sweeper.round()  # (the hosts are gone: this process sweeps, as the next host would)
+            time.sleep(0.2)
+        assert total <= cap, (total, cap)
+        assert not list((t.folder / "tmp").iterdir())  # every write renamed into place or removed
+    finally:
+        t.close()
+
+
+def test_a_sweeper_killed_9_is_replaced_after_its_lease(tmp_path):
+    p = _host(tmp_path, 0, rounds=2, hold=True)
+    lease = tmp_path / f"kvstore-{NS.hex()[:16]}" / LEASE
+    try:
+        deadline = time.monotonic() + 30
+        while not lease.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        holder = lease.read_text().split()[0]
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+        t = tier(tmp_path, clock=lambda: time.time() + SKEW_S + 2, sweep_s=0.2, lease_s=1.0)  # past it
+        try:
+            assert t.sweeper.round() is not None and t.stats["leases_taken"] == 1
+            assert lease.read_text().split()[0] == t.id != holder
+        finally:
+            t.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+# -- through the store --------------------------------------------------------------------------------
+
+def test_a_store_on_another_host_hits_in_the_shared_folder(tmp_path):
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": 16 * BLOCK / 2**30, "pin_memory": False},
+                               "nvme": {"capacity_gb": 0}, "sharedfs": {"path": str(tmp_path / "shared")}}})
+    a = KVStore(cfg, block_bytes=BLOCK, fingerprint=bytes([1]) * 16)
+    b = KVStore(cfg, block_bytes=BLOCK, fingerprint=bytes([1]) * 16)
+    other = KVStore(cfg, block_bytes=BLOCK, fingerprint=bytes([2]) * 16)
+    try:
+        keys = [one_key(50 + i) for i in range(6)]
+        assert a.put(keys, np.stack([block_for(k) for k in keys])) == 6
+        a.flush()  # the write-through copies
+        m = b.contains_prefix(keys, record=False)
+        assert m.num_blocks == 6 and set(m.tiers) == {"sharedfs"}
+        out = np.zeros((6, BLOCK), np.uint8)
+        assert b.get(keys, out) == 6 and all(np.array_equal(o, block_for(k)) for o, k in zip(out, keys))
+        assert other.contains_prefix(keys, record=False).num_blocks == 0  # another model: another namespace
+    finally:
+        a.close()
+        b.close()
+        other.close()
