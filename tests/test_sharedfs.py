@@ -147,6 +147,13 @@ def test_the_folder_is_checked_and_its_key_named(tmp_path):
     os.chmod(loose, 0o777)
     with pytest.raises(ConfigError, match=r"tiers\.sharedfs\.path"):
         tier(loose)
+    # and before any model loads (kvstore config, the vLLM plugin): creating nothing
+    from kvstore.store.machine import config_errors
+
+    _, errors = config_errors(overrides={"tiers": {"sharedfs": {"path": str(loose)}}}, ports=False)
+    assert [e.key for e in errors] == ["tiers.sharedfs.path"]
+    _, errors = config_errors(overrides={"tiers": {"sharedfs": {"path": str(tmp_path / "new" / "sfs")}}}, ports=False)
+    assert errors == [] and not (tmp_path / "new").exists()
 
 
 # -- the sweeper -------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Mapping
 
 from kvstore.config import GiB, ConfigError, StoreConfig, load_config
 from kvstore.tiers.dram.pool import unprepared_bytes
+from kvstore.tiers.registry import SPECS
 
 MEMINFO = "/proc/meminfo"
 PROC_CGROUP = "/proc/self/cgroup"
@@ -208,28 +209,15 @@ def port_error(port: int | None, host: str = LOOPBACK) -> ConfigError | None:
     return None
 
 
-def nvme_error(cfg: StoreConfig) -> ConfigError | None:
-    """``tiers.nvme.path`` the store would refuse; creates nothing (a missing folder: its nearest
-    existing parent must be a folder this process can write)."""
-    from kvstore.tiers.nvme.folder import check_folder, swappable_error
-
-    n = cfg.tiers.nvme
-    if not n.enabled or n.path is None:
-        return None
-    p = Path(n.path)
-    try:
-        if p.exists():
-            check_folder(p)  # exists: it creates nothing
-            return None
-        e = swappable_error(p)  # what check_folder refuses before it creates the folder
-        if e is not None:
-            return e
-        parent = next(a for a in p.parents if a.exists())
-    except ConfigError as e:
-        return e
-    except OSError as e:
-        return ConfigError("tiers.nvme.path", n.path, "a folder this process can create and write", str(e))
-    return _creatable("tiers.nvme.path", n.path, parent, "a folder this process can create and write")
+def tier_errors(cfg: StoreConfig) -> list[ConfigError]:
+    """What each enabled medium's own check (its spec's ``check``: a folder it could not use, say)
+    finds of this machine; creates nothing."""
+    out = []
+    for s in SPECS:
+        section = getattr(cfg.tiers, s.name)
+        if s.check is not None and section.enabled:
+            out += s.check(section)
+    return out
 
 
 def _creatable(key: str, path: str, parent: Path, allowed: str) -> ConfigError | None:
@@ -271,7 +259,7 @@ def trace_error(cfg: StoreConfig) -> ConfigError | None:
 
 def machine_errors(cfg: StoreConfig) -> list[ConfigError]:
     """Every check above (for ``kvstore config``)."""
-    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port, cfg.metrics.host), nvme_error(cfg),
+    return [e for e in (dram_error(cfg), port_error(cfg.metrics.port, cfg.metrics.host), *tier_errors(cfg),
                         trace_error(cfg)) if e is not None]
 
 
@@ -290,7 +278,7 @@ def config_errors(path: str | os.PathLike | None = None, overrides: Mapping | No
         bad = {e.key for e in errors}
         # mode node: an engine keeps no tier of its own (the daemon's config has them, and
         # `kvstore serve` checks that one), so its tiers section asks nothing of this machine
-        tiers = [] if cfg.mode == "node" and not daemon else [dram_error(cfg), nvme_error(cfg)]
+        tiers = [] if cfg.mode == "node" and not daemon else [dram_error(cfg), *tier_errors(cfg)]
         machine = tiers + [trace_error(cfg)]
         if ports:
             machine.append(port_error(cfg.metrics.port, cfg.metrics.host))

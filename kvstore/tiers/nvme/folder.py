@@ -235,6 +235,34 @@ def check_folder(path: str | os.PathLike, key: str = "tiers.nvme.path") -> Path:
     return base
 
 
+def folder_errors(key: str, path: str | None) -> list:
+    """What :func:`check_folder` would refuse of ``path`` (``key``: its config key), creating
+    nothing: an existing folder checked as it is; a missing one, its parents (none others can
+    write) and its nearest existing parent (a folder this process can create in). For
+    ``kvstore config`` and the vLLM plugin, before any model loads."""
+    from kvstore.config import ConfigError
+
+    if path is None:
+        return []
+    allowed = "a folder this process can create and write"
+    p = Path(path)
+    try:
+        if p.exists():
+            check_folder(p, key)  # exists: it creates nothing
+            return []
+        e = swappable_error(p, key=key)  # what check_folder refuses before it creates the folder
+        if e is not None:
+            return [e]
+        parent = next(a for a in p.parents if a.exists())
+    except ConfigError as e:
+        return [e]
+    except OSError as e:
+        return [ConfigError(key, path, allowed, str(e))]
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return [ConfigError(key, path, allowed, f"{parent} is not a folder this process can write in")]
+    return []
+
+
 class NotOurs(OSError):
     """A folder of the cache owned by another user (never used: its files could be theirs)."""
 

@@ -54,5 +54,11 @@ def open_tier(ts, cfg: NvmeConfig):
     return tier
 
 
+def check(cfg: NvmeConfig) -> list:
+    from kvstore.tiers.nvme.folder import folder_errors
+
+    return folder_errors("tiers.nvme.path", cfg.path)
+
+
 SPEC = TierSpec(name="nvme", order=200, config=NvmeConfig, events=NvmeEvents, open=open_tier, hit_source="DISK",
-                namespaced=True)
+                namespaced=True, check=check)

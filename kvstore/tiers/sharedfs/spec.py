@@ -50,5 +50,11 @@ def open_tier(ts, cfg: SharedFsConfig):
                         ttl_s=cfg.ttl_s, sweep_s=cfg.sweep_s, lease_s=cfg.lease_s)
 
 
+def check(cfg: SharedFsConfig) -> list:
+    from kvstore.tiers.nvme.folder import folder_errors
+
+    return folder_errors("tiers.sharedfs.path", cfg.path)
+
+
 SPEC = TierSpec(name="sharedfs", order=400, config=SharedFsConfig, events=SharedFsEvents, open=open_tier,
-                hit_source="DISK", local=False, namespaced=True)
+                hit_source="DISK", local=False, namespaced=True, check=check)
