@@ -3,7 +3,7 @@
 # extension (CPU + CUDA modules, sm_90) against the torch there, then
 #   1. tests: the CUDA copy against the CPU oracle (every layout, fp16/bf16/fp8, 1..4,096 blocks,
 #      default and side stream, kernel and batched-DMA byte for byte), the store round trip on the
-#      GPU (Mover + KVStore with pinned DRAM and NVMe: save, demote, load back, byte-identical;
+#      GPU (StepRunner + KVStore with pinned DRAM and NVMe: save, demote, load back, byte-identical;
 #      a side-stream load ordered before a consumer kernel by its event), the DRAM slab pinned;
 #   2. bandwidth: bench/gpu_bench.py (gather/scatter vs cudaMemcpyAsync of the same bytes, at
 #      16/32/128-token blocks, 1/16/256 blocks per call, idle and under a bf16 matmul; the slab's

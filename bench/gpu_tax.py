@@ -8,14 +8,14 @@ worker, unchanged: an "engine" runs prefill steps of a Llama-3-8B-shaped model (
 output, gate+up and down matmuls of ``--tokens`` tokens in bf16, its K and V written into a paged
 FlashAttention-layout cache, and at the step's end the host reads a value back, as sampling does),
 every step a new prompt. As in vLLM's model runner, once a step's forward pass is queued (before
-the host read) the connector's ``Mover`` saves the step's blocks into a ``KVStore`` (pinned DRAM,
+the host read) the connector's ``StepRunner`` saves the step's blocks into a ``KVStore`` (pinned DRAM,
 demoted to NVMe files in the background), as ``wait_for_save`` does (``--save-after-sync``: after
 the host read instead, the order of the first runs, which leaves the GPU idle while the save's host
 part runs):
 ``sync`` gathers and commits on the engine's thread; ``async`` enqueues the gather on a side stream
 that waits for the forward pass's event, and a store thread commits it; ``asyncN`` caps that
 gather's grid at N thread blocks (``async0``: the kernel's default, 8 per SM; plain ``async``: the
-Mover's default, ``SIDE_GATHER_CTAS``). Nothing is ever read back: all of it is overhead.
+StepRunner's default, ``SIDE_GATHER_CTAS``). Nothing is ever read back: all of it is overhead.
 
 Rounds rotate ``off`` (no connector), ``sync`` and ``async``; each round is ``--steps`` prompts,
 timed from the first launch to the last step's host read plus the store's queue draining
@@ -40,7 +40,7 @@ import torch
 from kvstore import kvcopy
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.offload import Mover, StepPlan, StorePlan, acquire_shared, release_shared
+from kvstore.offload import StepRunner, StepPlan, StorePlan, acquire_shared, release_shared
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram-gb", type=float, default=8.0)
     p.add_argument("--nvme-gb", type=float, default=24.0)
     p.add_argument("--designs", default="sync,async",
-                   help="sync, async (the Mover's default grid for side-stream gathers: "
-                        "kvstore.offload.mover.SIDE_GATHER_CTAS), asyncN (that grid at most N thread blocks)")
+                   help="sync, async (the StepRunner's default grid for side-stream gathers: "
+                        "kvstore.offload.runner.SIDE_GATHER_CTAS), asyncN (that grid at most N thread blocks)")
     p.add_argument("--save-after-sync", action="store_true",
                    help="save after the step's host read (the order of the first H200 runs, which exposes "
                         "the save's host time) instead of vLLM's: wait_for_save once the forward pass is "
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in designs:
         shareds[d] = acquire_shared(f"gpu-tax/{d}", cfg, fp, bb, a.block_tokens)
         grid = {"save_ctas": int(d[5:]) or None} if d[5:].isdigit() else {}  # async0: 8 blocks per SM
-        m = movers[d] = Mover(shareds[d], async_saves=d.startswith("async"), async_loads=False, **grid)
+        m = movers[d] = StepRunner(shareds[d], async_saves=d.startswith("async"), async_loads=False, **grid)
         m.register(eng.caches, eng.layout)
     serial = [0]
 

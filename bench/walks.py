@@ -3,24 +3,24 @@
     python bench/walks.py [--blocks 4,8] [--remote auto|on|off] [--repeat 2] [--json OUT] [--detail]
 
 It runs unchanged on any checkout whose venv imports that checkout's kvstore (its entry points:
-kvstore.offload's ``acquire_shared``/``Mover``/``Planner``/``LocalClient``, ``KVStore``).
+kvstore.offload's ``acquire_shared``/``StepRunner``/``Planner``/``LocalClient``, ``KVStore``).
 
-A worker rig as the connector builds it (kvstore.offload: ``acquire_shared``, ``Mover``,
+A worker rig as the connector builds it (kvstore.offload: ``acquire_shared``, ``StepRunner``,
 ``LocalClient``, ``Planner``; a numpy engine cache in vLLM's CPU layout, 16-token blocks of 8 KiB)
 over a store with DRAM and NVMe (a temporary folder), and again with a Redis tier (a private
 ``redis-server`` on loopback) when one is installed. ``io_threads`` is 1 for NVMe and Redis, so
 the threads are the same from run to run. Untraced first: DRAM filled (a save must demote
 victims), then one save and one load of other blocks (lazy set-up).
 
-* save: ``Mover.save(plan)`` of one prefill's full blocks (the plan made untraced by the planner),
+* save: ``StepRunner.save(plan)`` of one prefill's full blocks (the plan made untraced by the planner),
   with the config's ``io.async_saves``: ``begin_store`` on the entry thread, the gather and
   ``end_store`` on the copy thread, the victims' demotion (and the Redis write-through) on the
   I/O pools; counted until every background job is done.
 * load: a request whose blocks are on NVMe only (Redis only, with the remote tier): the stages
-  ``Planner.track``, ``lookup``, ``allocated`` (the pin), ``build_step``, ``Mover.load`` (read,
+  ``Planner.track``, ``lookup``, ``allocated`` (the pin), ``build_step``, ``StepRunner.load`` (read,
   scatter, ``end_load``; on the load thread with ``io.async_loads``), then, once the load thread
-  is idle, ``Mover.get_finished``. A load's counts can differ by a few between walks: a victim of
-  its promotion may still be on its way to NVMe when the load ends (``Moving.release``).
+  is idle, ``StepRunner.get_finished``. A load's counts can differ by a few between walks: a victim of
+  its promotion may still be on its way to NVMe when the load ends (``Demotions.release``).
 
 Counting (``sys.setprofile`` on the entry thread during the stages only, ``threading.setprofile``
 on every thread the rig starts; waiting for background work is not counted):
@@ -72,7 +72,7 @@ import numpy as np
 from kvstore import kvcopy
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.offload import LocalClient, Mover, Planner, acquire_shared, release_shared
+from kvstore.offload import LocalClient, StepRunner, Planner, acquire_shared, release_shared
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from walkcount import Tracer, dispatch, floors, our_roots  # noqa: E402
@@ -144,7 +144,7 @@ def walk(tmp: str, blocks: int, redis_url: str | None, roots: list[str], floor: 
         ks = chain_keys(store.root, tokens("fill", DRAM_SLOTS * BS), BS)  # a full DRAM: a save demotes
         store.put(ks, rows(len(ks)))
         io = cfg.io
-        mover = Mover(shared, async_saves=io.async_saves, async_loads=io.async_loads)
+        mover = StepRunner(shared, async_saves=io.async_saves, async_loads=io.async_loads)
         mover.register(caches, layout)
         planner = Planner(LocalClient(shared), fp, BS, prefetch=True, async_loads=io.async_loads,
                           async_saves=io.async_saves)

@@ -33,7 +33,7 @@ class _Deferred(Future):
 class DeferredExecutor(Executor):
     """``submit`` queues a job, run (in order) at :meth:`run`; a job whose result is asked for
     runs at once, alone (the store's own batched reads and writes, which it waits for:
-    ``Moves._map``), as does ``map``."""
+    ``Transfers._map``), as does ``map``."""
 
     def __init__(self) -> None:
         self.queue: list = []

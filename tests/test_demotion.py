@@ -231,16 +231,16 @@ def test_concurrent_begin_store_end_store_read_load_under_held_demotions(make_st
 
 
 # -- a key stored again while its old copy is still being written down -----------------------------
-# Reached only between the index dropping a victim and the victim joining Moving (another thread
+# Reached only between the index dropping a victim and the victim joining Demotions (another thread
 # stores the key in that window); test_concurrency found it about 1 run in 8. Here the state is
-# set up directly: the old copy ``old`` in Moving with a slot of its own, the new one in the index.
+# set up directly: the old copy ``old`` in Demotions with a slot of its own, the new one in the index.
 
 def _moving_copy(s, key):
     from kvstore.tiers.index import READY, Entry
     old = Entry(key, s.dram.slot_bytes, 0.0, float("inf"), state=READY)
     old.slot = s.dram.pool.alloc()
     assert old.slot is not None
-    s.chain.moving.add(s.dram, [old])
+    s.chain.demotions.add(s.dram, [old])
     return old
 
 
@@ -252,7 +252,7 @@ def test_a_load_pins_the_new_copy_only(make_store, clock):
     out = np.zeros((1, BLOCK), np.uint8)
     assert s.get([k], out) == 1 and np.array_equal(out[0], block_for(k))
     assert old.pins == 0  # pinned and dropped, its slot was never freed: "DRAM slots leaked"
-    assert s.chain.moving.done(old)  # the write ends: its slot may be freed now
+    assert s.chain.demotions.done(old)  # the write ends: its slot may be freed now
     s.dram.free([old])
     check_store(s)
 
@@ -261,11 +261,11 @@ def test_an_old_copy_keeps_its_slot_until_its_write_is_done(make_store, clock):
     s = make_store(dram_blocks=4, nvme_blocks=8)
     k = one_key(0)
     old = _moving_copy(s, k)
-    pinned = s.chain.moving.pin(s.dram, [k])
+    pinned = s.chain.demotions.pin(s.dram, [k])
     assert pinned == [old]
     newer = _moving_copy(s, k)  # evicted again while the old copy's write is still going
-    _, free = s.chain.moving.release(pinned)
+    _, free = s.chain.demotions.release(pinned)
     assert free == []  # freed here, the slot could be reused under the write still reading it
-    assert s.chain.moving.done(old) and s.chain.moving.done(newer)
+    assert s.chain.demotions.done(old) and s.chain.demotions.done(newer)
     s.dram.free([old, newer])
     check_store(s)

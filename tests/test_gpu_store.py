@@ -1,6 +1,6 @@
 """The store round trip against a paged KV cache on the device the engine uses (issue 15).
 
-The worker-side ``Mover`` and a ``KVStore`` with a pinned DRAM tier and an NVMe tier, on a
+The worker-side ``StepRunner`` and a ``KVStore`` with a pinned DRAM tier and an NVMe tier, on a
 FlashAttention-layout cache ``[2, B, N, H, D]`` per layer: save more blocks than DRAM holds (the
 rest is demoted to NVMe files), then load them all back into other engine blocks, byte for byte.
 On CUDA the load is also ordered before a consumer kernel through the copy's event, and the DRAM
@@ -21,7 +21,7 @@ from kvstore import kvcopy
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.tiers.dram.pool import SlabPool
-from kvstore.offload import LoadPlan, LocalClient, Mover, StepPlan, StorePlan, acquire_shared, release_shared
+from kvstore.offload import LoadPlan, LocalClient, StepRunner, StepPlan, StorePlan, acquire_shared, release_shared
 
 from conftest import dram_gb, nvme_gb
 
@@ -48,7 +48,7 @@ def _block_bytes(caches, ids) -> torch.Tensor:
 
 @contextmanager
 def _async_mover(name: str, gen: torch.Generator):
-    """A CUDA paged cache, a store with a pinned 64-block DRAM tier, and a Mover with async saves
+    """A CUDA paged cache, a store with a pinned 64-block DRAM tier, and a StepRunner with async saves
     and loads over it: (caches, shared store, mover); closed and released after."""
     caches, layout = _paged_cache("cuda", gen)
     cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(64, layout.block_bytes), "pin_memory": True}}})
@@ -57,7 +57,7 @@ def _async_mover(name: str, gen: torch.Generator):
     shared = acquire_shared(f"gpu-test/{name}", cfg, fp, layout.block_bytes, BS)
     mover = None
     try:
-        mover = Mover(shared, async_saves=True, async_loads=True)
+        mover = StepRunner(shared, async_saves=True, async_loads=True)
         mover.register(caches, layout)
         yield caches, shared, mover
     finally:
@@ -90,7 +90,7 @@ def test_save_demote_load_round_trip_is_byte_identical(device, design, tmp_path)
         store = shared.store
         if device == "cuda":
             assert store.dram.pool.pinned, "the DRAM slab must be registered with CUDA"
-        mover = Mover(shared, async_saves=asy, async_loads=asy)
+        mover = StepRunner(shared, async_saves=asy, async_loads=asy)
         mover.register(caches, layout)
         keys = chain_keys(store.root, list(range(1000, 1000 + n * BS)), BS)
         src_ids = list(range(n))

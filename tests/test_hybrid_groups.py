@@ -17,7 +17,7 @@ import torch
 from kvstore import kvcopy
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.offload import LocalClient, Mover, acquire_shared, release_shared
+from kvstore.offload import LocalClient, StepRunner, acquire_shared, release_shared
 from kvstore.offload.groups import MAX_PROBES, Group, KVGroups
 from kvstore.offload.jobs import CopyJobs
 from kvstore.offload.planner import Planner
@@ -181,7 +181,7 @@ class Rig:
         cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb, "ttl_s": None},
                                    "nvme": {"path": str(tmp_path / f"s{rank}"), "capacity_gb": 0.02}}})
         self.shared = shared or acquire_shared(f"hybrid-test/tp{rank}", cfg, self.fp, block_bytes, BS)
-        self.mover = Mover(self.shared, async_saves=async_io, async_loads=async_io, rank=rank)
+        self.mover = StepRunner(self.shared, async_saves=async_io, async_loads=async_io, rank=rank)
         self.mover.register_groups(list(zip(self.caches, layouts)))
         self.planner = Planner(client or LocalClient(self.shared), self.fp, BS, groups=groups)
 

@@ -409,7 +409,7 @@ def test_a_load_whose_daemon_is_lost_while_it_copies_is_failed_not_served(tmp_pa
     import threading
 
     from kvstore import failpoints, kvcopy
-    from kvstore.offload import LocalClient, Mover, acquire_shared, release_shared
+    from kvstore.offload import LocalClient, StepRunner, acquire_shared, release_shared
     from kvstore.offload.planner import Planner
     from test_planner_rollback import BS, new_request, toks
 
@@ -421,7 +421,7 @@ def test_a_load_whose_daemon_is_lost_while_it_copies_is_failed_not_served(tmp_pa
     d = NodeDaemon(from_dict(cfg)).start()
     shared = acquire_shared("node-mover/tp0", from_dict(cfg), fp, layout.block_bytes, BS)
     try:
-        mover = Mover(shared)
+        mover = StepRunner(shared)
         mover.register([cache], layout)
         planner = Planner(LocalClient(shared), fp, BS, prefetch=False)
         t = toks(26, 3)  # 6 full blocks

@@ -178,7 +178,7 @@ def test_an_unreachable_store_is_a_miss_and_a_lost_pin_fails_the_load():
 def worker(tmp_path):
     from kvstore import kvcopy
     from kvstore.config import from_dict
-    from kvstore.offload import LocalClient, Mover, acquire_shared, release_shared
+    from kvstore.offload import LocalClient, StepRunner, acquire_shared, release_shared
 
     n_blocks, heads, hs = 32, 1, 8
     cache = np.zeros((n_blocks, heads, BS, 2 * hs), np.float16)  # vLLM CPU layout, one layer
@@ -188,7 +188,7 @@ def worker(tmp_path):
     fp = ModelFingerprint(model="planner-test", dtype="float16", block_size=BS, num_layers=1, num_kv_heads=heads,
                           head_size=hs, layout=f"x.{layout.packing}")
     shared = acquire_shared("test/tp0", cfg, fp, layout.block_bytes, BS)
-    mover = Mover(shared)
+    mover = StepRunner(shared)
     mover.register([cache], layout)
     planner = Planner(LocalClient(shared), fp, BS, prefetch=False)
     yield planner, mover, shared, cache

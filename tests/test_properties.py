@@ -199,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
         for h in self.loads:
             for k, e, v in zip(h.keys, h.entries, h.views):
                 if e is not None:  # a DRAM slot: pinned, so still indexed (or being demoted) and intact
-                    assert (d.index.entries.get(k) is e or e in self.s.chain.moving.held) and e.pins >= 1
+                    assert (d.index.entries.get(k) is e or e in self.s.chain.demotions.held) and e.pins >= 1
                 assert np.array_equal(v, block_for(k, BB))
         for h in self.stores:
             for k, e in zip(h.keys, h.entries):

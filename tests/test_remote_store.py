@@ -278,7 +278,7 @@ def test_staged_copies_to_a_slow_remote_are_capped_and_counted(tmp_path, redis_s
     """DRAM off: a store's blocks are staged in private buffers, written to NVMe, then copied to
     Redis in the background, each copy holding its buffers. A Redis slower than the stores (yet
     under its deadline) queued them without end; past the cap a copy is skipped and counted."""
-    from kvstore.store import moves as moves_mod
+    from kvstore.store import transfers as moves_mod
     from kvstore.tiers.redis import RedisTier
 
     monkeypatch.setattr(moves_mod, "STAGED_MAX_BYTES", 4 * BLOCK)
@@ -299,12 +299,12 @@ def test_staged_copies_to_a_slow_remote_are_capped_and_counted(tmp_path, redis_s
             for v, b in zip(h.views, blocks_for(keys)):
                 v[:] = b
             assert a.end_store(h) == 2  # stored in NVMe all the same
-            peak = max(peak, a.moves._staged)
+            peak = max(peak, a.transfers._staged)
         assert peak <= 4 * BLOCK
         assert M(a, "kvstore_tier_skipped_blocks_total", tier="remote", reason="backlog") == 8  # 2 of 6 copies went
         gate.set()
         a.flush()
-        assert a.moves._staged == 0
+        assert a.transfers._staged == 0
         assert M(a, "kvstore_tier_written_bytes_total", tier="remote") == 4 * BLOCK
     finally:
         gate.set()
@@ -315,7 +315,7 @@ def test_one_staged_copy_larger_than_the_cap_goes_when_nothing_else_is_in_flight
                                                                                   monkeypatch):
     """A long prefill's step can stage more than the cap in one move (512 blocks of 2 MiB): it
     must not be skipped for that alone."""
-    from kvstore.store import moves as moves_mod
+    from kvstore.store import transfers as moves_mod
 
     monkeypatch.setattr(moves_mod, "STAGED_MAX_BYTES", BLOCK)
     a = _store(tmp_path, "a", redis_single, dram=0, monkeypatch=monkeypatch)

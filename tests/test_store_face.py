@@ -1,6 +1,6 @@
 """The store face the mover uses, one contract for the embedded store and the node client.
 
-The connector drives its store through a few calls (kvstore.offload.client, kvstore.offload.mover):
+The connector drives its store through a few calls (kvstore.offload.client, kvstore.offload.runner):
 contains_prefix for the scheduler's lookup; begin_store, write the views, end_store for a save;
 pin_load, read_load, read the views, end_load for a load; prefetch, stats, flush, close. In
 ``mode: embedded`` the store is a :class:`~kvstore.store.KVStore` in the engine's process; in

@@ -1,7 +1,7 @@
 """Rigs for the engine-step micro-benchmarks (``make microbench``; not collected by CI).
 
 A rig is what a vLLM engine with the kvstore connector holds, built through the public API the
-connector uses (kvstore.offload: ``acquire_shared``, ``Mover``, ``LocalClient``, ``Planner``;
+connector uses (kvstore.offload: ``acquire_shared``, ``StepRunner``, ``LocalClient``, ``Planner``;
 kvstore.kvcopy's layout over a numpy "engine" cache in vLLM's CPU layout): a real KVStore with a
 DRAM tier and an NVMe tier (a temporary folder), no mocks. Its prompts are stored beforehand:
 
@@ -27,7 +27,7 @@ import kvstore
 from kvstore import kvcopy
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
-from kvstore.offload import LocalClient, Mover, Planner, acquire_shared, release_shared
+from kvstore.offload import LocalClient, StepRunner, Planner, acquire_shared, release_shared
 
 try:  # the public face after issue 30; kvstore.store before it
     from kvstore import KVStore
@@ -62,7 +62,7 @@ def _blocks(n: int, block_bytes: int, seed: int) -> np.ndarray:
 
 
 class Rig:
-    """One engine's view of the store: the scheduler's Planner over a LocalClient, the worker's Mover."""
+    """One engine's view of the store: the scheduler's Planner over a LocalClient, the worker's StepRunner."""
 
     def __init__(self, root: str, name: str, geometry: str, dram_gb: float):
         layers, heads, hs = GEOMETRY[geometry]
@@ -90,7 +90,7 @@ class Rig:
             ks = chain_keys(self.root, tokens("dram", n), BS)
             assert self.store.put(ks, _blocks(len(ks), self.block_bytes, n + 1)) == len(ks)
         io = self.cfg.io
-        self.mover = Mover(self.shared, async_saves=io.async_saves, async_loads=io.async_loads)
+        self.mover = StepRunner(self.shared, async_saves=io.async_saves, async_loads=io.async_loads)
         self.mover.register(self.caches, self.layout)
         self.client = LocalClient(self.shared)
         # as the connector builds it (connectors/vllm/connector.py), in-process, TP 1

@@ -14,12 +14,12 @@ scheduler thread
                               (a miss: every full block planned for storing; a DRAM hit: its load
                               planned) or a decode step of 32 running requests
 worker thread
-* ``test_start_load_kv``      ``Mover.load`` of a DRAM hit (a synchronous load: pin taken, scatter, unpin)
-* ``test_wait_for_save``      ``Mover.save`` of a prefill's blocks (io.async_saves: ``begin_store`` and the
+* ``test_start_load_kv``      ``StepRunner.load`` of a DRAM hit (a synchronous load: pin taken, scatter, unpin)
+* ``test_wait_for_save``      ``StepRunner.save`` of a prefill's blocks (io.async_saves: ``begin_store`` and the
                               gather enqueued; no bytes move on this thread)
 * ``test_begin_store``        ``KVStore.begin_store`` alone, at 8 KiB and 128 KiB blocks: index-only, so
                               the two sizes cost the same (the reservation is aborted untimed)
-* ``test_get_finished``       ``Mover.get_finished``: a step with nothing finished, and one where 8
+* ``test_get_finished``       ``StepRunner.get_finished``: a step with nothing finished, and one where 8
                               requests with completed stores finished
 
 Run: ``make microbench`` (pytest-benchmark; min and median are the figures to compare).

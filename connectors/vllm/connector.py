@@ -2,7 +2,7 @@
 
 Translation only: the scheduler half turns vLLM requests and scheduler outputs into
 :class:`kvstore.offload.Planner` calls, the worker half hands the step's plan and the paged KV
-tensors to :class:`kvstore.offload.Mover`. With ``io.async_loads`` (the default) a hit with
+tensors to :class:`kvstore.offload.StepRunner`. With ``io.async_loads`` (the default) a hit with
 blocks below DRAM waits (``WAITING_FOR_REMOTE_KVS``) while the worker's load thread reads and
 scatters them and other requests run; without it, lower-tier blocks are prefetched into DRAM
 before the request is scheduled and loaded within the step. Stores gather new full blocks after
@@ -38,7 +38,7 @@ from kvstore.offload.readout import render_engine
 from kvstore.store.sizing import sizing_line
 from kvstore.tiers.registry import SPECS
 from kvstore.trace import TraceWriter, recorded_fields
-from kvstore.offload import (LocalClient, Mover, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
+from kvstore.offload import (LocalClient, StepRunner, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
                              find, hints, release_shared)
 from kvstore.connectors.vllm.events import KVStoreEvents, block_metas, events_enabled, vllm_events
 from kvstore.connectors.vllm.model import kv_groups, model_fingerprint
@@ -162,7 +162,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                          if t.local and hasattr(getattr(self.config.tiers, t.name), "codec"))  # lossy never serves lossless
         self.groups, self.off = kv_groups(vllm_config, kv_cache_config)
         self.planner: Planner | None = None
-        self.mover: Mover | None = None
+        self.mover: StepRunner | None = None
         self.prefill: PrefillRate | None = None  # the engine's prefill tokens/s (worker side)
         self.shared = None
         self.server: StoreServer | None = None
@@ -194,7 +194,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                          events=self.events_on and self.fingerprint.tp_rank == 0)
             mover = None
             try:
-                mover = Mover(self.shared, async_saves=self.config.io.async_saves,
+                mover = StepRunner(self.shared, async_saves=self.config.io.async_saves,
                               async_loads=self.config.io.async_loads, rank=self.fingerprint.tp_rank)
                 self.server = StoreServer(self.shared, name)  # may refuse its folder: SocketTrustError
             except BaseException:  # a process that goes on (an LLM built again) keeps no store, threads or port

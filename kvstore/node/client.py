@@ -2,7 +2,7 @@
 
 :class:`NodeStore` answers the calls the connector's two halves make of a store (lookups, pins,
 reads, reservations and their ends: what :class:`~kvstore.offload.client.LocalClient` and
-:class:`~kvstore.offload.mover.Mover` call on a :class:`~kvstore.store.KVStore`), over the
+:class:`~kvstore.offload.runner.StepRunner` call on a :class:`~kvstore.store.KVStore`), over the
 daemon's socket; the bytes move between the engine's KV cache and the daemon's DRAM slab, which
 this process maps (:class:`~kvstore.node.slab.SharedSlab`), never through the socket.
 

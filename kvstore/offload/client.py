@@ -95,7 +95,7 @@ class LocalClient:
             return False
 
     def begin_load(self, keys, session=None, ttl_s=None) -> tuple[int, int, tuple[str, ...]]:
-        h = self.store.pin_load(keys, session=session, ttl_s=ttl_s)  # no I/O here: the worker reads (Mover.load)
+        h = self.store.pin_load(keys, session=session, ttl_s=ttl_s)  # no I/O here: the worker reads (StepRunner.load)
         return self.shared.put_handle(h, self), h.num_blocks, tuple(h.tier_of)
 
     def end_load(self, handle_id: int) -> None:

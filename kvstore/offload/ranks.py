@@ -10,7 +10,7 @@ them hold:
 * ``contains_prefix``: the shortest of the ranks' prefixes, each block in the slowest tier any
   rank holds it in, the miss reason of the rank that stopped first;
 * ``begin_load``: a pin on every rank, ``got`` the fewest any rank pinned, and the handle a tuple
-  of the ranks' handles (each worker takes its own: :class:`~kvstore.offload.mover.Mover`'s
+  of the ranks' handles (each worker takes its own: :class:`~kvstore.offload.runner.StepRunner`'s
   ``rank``); ``end_load`` ends each;
 * ``prefetch``: one per rank, done when all are; ``record_request``: rank 0's metrics only (one
   request, counted once); ``saves_done``: never asked (every rank reports its own stores through

@@ -15,7 +15,7 @@ whatever the traffic; a prompt last seen more than that many distinct prompts ag
 genuine. The memory is per process: a restarted engine starts empty.
 
 The tokens a request's load actually served are counted by kind on the worker
-(:meth:`kvstore.offload.mover.Mover._load`): ``kvstore_engine_served_tokens_by_kind_total{tier,kind}``;
+(:meth:`kvstore.offload.runner.StepRunner._load`): ``kvstore_engine_served_tokens_by_kind_total{tier,kind}``;
 a failed load counts nothing. Summed over ``kind`` it equals
 ``kvstore_engine_served_tokens_total{tier}``.
 """

@@ -2,7 +2,7 @@
 
 The chain is a tuple of tiers, top first (DRAM, NVMe, Redis; any of them may be absent). It
 answers lookups, decides reservations, pins and victims, and returns what must happen to bytes
-as :class:`Move` objects, and what it counted as a :class:`Plan`; :mod:`kvstore.store.moves`
+as :class:`Transfer` objects, and what it counted as a :class:`Plan`; :mod:`kvstore.store.transfers`
 runs the moves, the store's metrics sink reads the counts, and the tuner's simulator drives
 this same class over tiers that hold no bytes (:mod:`kvstore.tune.simulate`).
 
@@ -14,13 +14,13 @@ blocks are never pinned. The rules between tiers are :mod:`kvstore.store.placeme
 * a stored block enters the top tier, unless a local tier below holds it (or is writing it);
 * a victim of a local tier is written down to the next local tier when the rules say so
   (``DEMOTE``); meanwhile it keeps its slot and is served from it
-  (:class:`~kvstore.store.moving.Moving`);
+  (:class:`~kvstore.store.demotions.Demotions`);
 * a hit in a lower tier is copied up into the top tier when a slot is free (a promotion);
 * a block stored in a tier is copied at once into every tier below that asks for it
   (``tier.write_through``: NVMe under ``write_mode: write_through``; Redis always);
 * ``admit_after`` on a tier gates every write into it (:class:`placement.Admission`).
 
-Locks: each tier's own (index work), :class:`Moving`'s, and the chain's for the miss-reason
+Locks: each tier's own (index work), :class:`Demotions`'s, and the chain's for the miss-reason
 memory and admission; never two at once, except a tier's inside the chain's for a read of
 ``present_or_writing``.
 """
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvstore.store import placement
-from kvstore.store.moving import Moving
+from kvstore.store.demotions import Demotions
 from kvstore.tiers.base import Tier
 from kvstore.tiers.index import Entry
 
-# Move kinds
+# Transfer kinds
 DEMOTE = "demote"  # a victim written down from its (held) slot; the slot is freed when done
 COPY = "copy"  # a stored block copied into a write-through tier below (source pinned meanwhile)
 STORE = "store"  # the caller's staged buffers written into a tier that has no slots (NVMe, Redis)
@@ -45,8 +45,8 @@ FREE = "free"  # media of entries that left an index (files to remove)
 
 
 @dataclass(slots=True, eq=False)
-class Move:
-    """One transfer the chain decided, for :mod:`kvstore.store.moves` to run. ``src`` None: the
+class Transfer:
+    """One transfer the chain decided, for :mod:`kvstore.store.transfers` to run. ``src`` None: the
     caller's buffers (``views``). ``pairs``: (source entry or None, destination entry)."""
 
     kind: str
@@ -55,16 +55,16 @@ class Move:
     pairs: list
     views: list | None = None
     background: bool = True
-    moving: bool = False  # a demotion registered in :class:`Moving` (servable from its slot until done)
+    moving: bool = False  # a demotion registered in :class:`Demotions` (servable from its slot until done)
 
 
 @dataclass(slots=True)
 class Plan:
-    """What a chain call decided: the moves to run and what it counted, as (event, tier, blocks)
+    """What a chain call decided: the transfers to run and what it counted, as (event, tier, blocks)
     with event one of ``evicted``, ``expired``, ``no_slot``, ``pinned``, ``not_admitted`` (and the
     movers' ``backlog``)."""
 
-    moves: list = field(default_factory=list)
+    transfers: list = field(default_factory=list)
     counts: list = field(default_factory=list)
 
     def count(self, event: str, tier: str, n: int) -> None:
@@ -93,7 +93,7 @@ class TierChain:
         after = self.adm_tier.admit_after if self.adm_tier is not None else 0
         self.adm = placement.Admission(after, ghost_capacity)
         self._above_adm = self.local[: self.local.index(self.adm_tier)] if self.adm_tier is not None else ()
-        self.moving = Moving()
+        self.demotions = Demotions()
         self._ghosts: OrderedDict[bytes, str] = OrderedDict()  # why a block left (miss reasons)
         self._ghost_cap = ghost_capacity
         self.lock = threading.Lock()  # the ghosts and the admission's memory
@@ -109,7 +109,7 @@ class TierChain:
     def holder(self, key: bytes) -> Tier | None:
         """The first local tier that serves ``key`` (its index, or a demotion still in its slot)."""
         for t in self.local:
-            if t.contains(key) or self.moving.has(t, key):
+            if t.contains(key) or self.demotions.has(t, key):
                 return t
         return None
 
@@ -257,11 +257,11 @@ class TierChain:
             if lower is self.adm_tier and self.adm.active:  # short of their asks: written at eviction if they get them
                 keys = [e.key for e, o in zip(entries, oks) if e is not None and o and self.adm.admits(e.asks)]
             if keys:
-                plan.moves.append(self.copy(t, lower, keys, plan, ttl, views and
+                plan.transfers.append(self.copy(t, lower, keys, plan, ttl, views and
                                             [v for e, o, v in zip(entries, oks, views) if e is not None and o]))
 
     def copy(self, src: Tier, dst: Tier, keys: list[bytes], plan: Plan, ttl: float | None,
-             views: list | None = None) -> Move:
+             views: list | None = None) -> Transfer:
         """A write-through copy of freshly stored blocks (pinned in ``src``, or staged ``views``)."""
         if views is None:
             pinned = src.acquire(keys, touch=False)
@@ -270,12 +270,12 @@ class TierChain:
         if dst.shared:  # one batch; blocks gone from src meanwhile are not sent
             keep = [i for i, e in enumerate(pinned) if e is not None or views is not None]
             dentries = dst.begin_reserve([keys[i] for i in keep], ttl)
-            return Move(COPY, src if views is None else None, dst,
+            return Transfer(COPY, src if views is None else None, dst,
                         [(pinned[i], de) for i, de in zip(keep, dentries)],
                         views=[views[i] for i in keep] if views is not None else None)
         dentries = self.reserve(dst, keys, plan, ttl, stored=False)
         pairs = [(se, de) for se, de in zip(pinned, dentries) if se is not None or de is not None]
-        return Move(COPY, src, dst, pairs)
+        return Transfer(COPY, src, dst, pairs)
 
     # -- victims -----------------------------------------------------------------------------------
     def victims(self, t: Tier, victims: list[Entry], plan: Plan, background: bool = False) -> None:
@@ -319,13 +319,13 @@ class TierChain:
                 else:
                     ne.last_access = e.last_access  # the file's mtime: recency survives a restart
                     jobs.append((e, ne))
-            self.moving.add(t, [e for e, _ in jobs])
+            self.demotions.add(t, [e for e, _ in jobs])
         self.free(t, free, plan)
         for e, why in gone:
             self.remember_gone([e], why)
         self.turn_away([(e.key, e.asks) for e in away], plan)
         if jobs:
-            plan.moves.append(Move(DEMOTE, t, below, jobs, moving=True))
+            plan.transfers.append(Transfer(DEMOTE, t, below, jobs, moving=True))
 
     def demote_action(self, e: Entry, below: Tier, now: float) -> str:
         """:func:`placement.demote_action` for victim ``e`` (admitted: its asks)."""
@@ -345,9 +345,9 @@ class TierChain:
         if t.addressable:
             t.free(entries)
         else:
-            plan.moves.append(Move(FREE, t, None, entries, background=background))
+            plan.transfers.append(Transfer(FREE, t, None, entries, background=background))
 
-    def demoted(self, move: Move, oks: Sequence[bool]) -> list[tuple[Entry, Entry]]:
+    def demoted(self, move: Transfer, oks: Sequence[bool]) -> list[tuple[Entry, Entry]]:
         """A demotion ended: the lower copies are published with the upper recency (their TTL
         counts from the last real access); a failed one is remembered as gone. Returns the pairs
         whose upper slot is free now."""
@@ -356,13 +356,13 @@ class TierChain:
             move.dst.commit([ne], [ok], at=e.last_access)
             if not ok:
                 self.remember_gone([e])
-            if not move.moving or self.moving.done(e):
+            if not move.moving or self.demotions.done(e):
                 free.append((e, ne))
         if move.moving and free:
             move.src.free([e for e, _ in free])
         return free
 
-    def copied(self, move: Move, oks: Sequence[bool]) -> None:
+    def copied(self, move: Transfer, oks: Sequence[bool]) -> None:
         """A write-through copy ended: publish it below, unpin the source."""
         dst = move.dst
         for (_, de), ok in zip(move.pairs, oks):  # in order, one by one: as the copies end (recency)
@@ -386,11 +386,11 @@ class TierChain:
             if not miss:
                 break
             got = t.acquire(keys if len(miss) == n_keys else [keys[i] for i in miss], touch=False)
-            if len(self.moving) and None in got:  # still in the slot it is being written down from
+            if len(self.demotions) and None in got:  # still in the slot it is being written down from
                 # only where the index missed: a key may be both stored again and still moving
                 # (the old copy's pin, dropped here, leaked its slot: 1 run in 8 of test_concurrency)
                 holes = [j for j, e in enumerate(got) if e is None]
-                for j, m in zip(holes, self.moving.pin(t, [keys[miss[j]] for j in holes])):
+                for j, m in zip(holes, self.demotions.pin(t, [keys[miss[j]] for j in holes])):
                     got[j] = m
             rest = []
             for i, e in zip(miss, got):
@@ -418,9 +418,9 @@ class TierChain:
         return found, out
 
     def release(self, t: Tier, entries: Sequence[Entry | None], oks: Sequence[bool] | None = None) -> None:
-        """Unpin entries of ``t`` (those of blocks still being written down through :class:`Moving`)."""
-        if oks is None and len(self.moving.held):
-            entries, free = self.moving.release(entries)
+        """Unpin entries of ``t`` (those of blocks still being written down through :class:`Demotions`)."""
+        if oks is None and len(self.demotions.held):
+            entries, free = self.demotions.release(entries)
             if free:
                 t.free(free)
         t.release(entries, oks)
@@ -477,4 +477,4 @@ class TierChain:
         for e, ne in pairs:
             ne.last_access = e.last_access
         if pairs:
-            plan.moves.append(Move(DEMOTE, self.top, below, pairs, background=False))
+            plan.transfers.append(Transfer(DEMOTE, self.top, below, pairs, background=False))

@@ -55,7 +55,7 @@ class StoreMetrics:
                                    ["reason"], registry=r)
         # The connector's served tokens split by kind (kvstore.offload.replay): replay, the exact
         # prompt was seen before; genuine, a new prompt sharing a stored prefix. Counted by the
-        # worker (kvstore.offload.mover) beside kvstore_engine_served_tokens_total{tier}, which
+        # worker (kvstore.offload.runner) beside kvstore_engine_served_tokens_total{tier}, which
         # it sums to over kind; defined here so every store's registry carries it.
         self.served_by_kind = Counter("kvstore_engine_served_tokens_by_kind",
                                       "Prompt tokens kvstore loaded into the engine, by tier and kind (replay: the "
@@ -142,7 +142,7 @@ class StoreMetrics:
         self.block_bytes = store.block_bytes
         self.info.labels(getattr(fingerprint, "model", ""), store.root.hex(),
                          (store.namespace or b"").hex()).set(1)
-        self.demoting.set_function(lambda: len(store.chain.moving))
+        self.demoting.set_function(lambda: len(store.chain.demotions))
         for t in store.chain.local:
             # read at scrape time: a full disk lowers NVMe's, DRAM's grows as its pool is prepared
             self.capacity.labels(t.name).set_function(lambda t=t: t.capacity_bytes)

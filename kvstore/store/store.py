@@ -13,7 +13,7 @@ the whole prefix, a store answers "how many *leading* keys do you hold".
 
 Three collaborators, composed: the tiers (:class:`kvstore.tiers.TierSet`, from the config),
 the :class:`~kvstore.store.chain.TierChain` over them (which decides: no bytes), the
-:class:`~kvstore.store.moves.Moves` (which move the bytes), and one metrics sink. This class
+:class:`~kvstore.store.transfers.Transfers` (which move the bytes), and one metrics sink. This class
 holds the public API and the order of a call's steps; it never asks which tiers exist.
 """
 
@@ -38,7 +38,7 @@ from kvstore.store.gate import Gate
 from kvstore.store.machine import check_dram
 from kvstore.store.handles import LoadHandle, PrefixMatch, StoreHandle, check_keys, check_ttl, rows_of
 from kvstore.store.metrics import StoreMetrics
-from kvstore.store.moves import Moves
+from kvstore.store.transfers import Transfers
 from kvstore.tiers import TierSet
 from kvstore.tiers.registry import NAMES, SPECS
 from kvstore.tiers.base import Tier
@@ -129,7 +129,7 @@ class KVStore:
         self.geometry = self._tiers.geometry
         self.namespace = self._tiers.first_namespace
         self.chain = TierChain(self._tiers.tiers, clock=clock, ghost_capacity=ghost_capacity)
-        self.moves = Moves(self.chain, self.metrics, block_bytes=self.block_bytes,
+        self.transfers = Transfers(self.chain, self.metrics, block_bytes=self.block_bytes,
                            io_threads=_io_threads(self.config), executor=io_executor)
         self.rates = Rates(use=self.config.io.load_only_if_faster)  # tier reads (measured here), the engine's prefill
         self.metrics.attach(self, fingerprint)
@@ -202,7 +202,7 @@ class KVStore:
             plan = Plan()
             ks = [keys[j] for j in rest]
             entries = self.chain.reserve(below, ks, plan, ttl_s)
-            self.moves.run(plan)
+            self.transfers.run(plan)
             h2 = StoreHandle(ks, entries, [rows[j] if e is not None else None for j, e in zip(rest, entries)],
                              below, ttl=ttl_s, borrowed=True)
             self._gate.opened()
@@ -223,7 +223,7 @@ class KVStore:
             return StoreHandle(keys, [None] * len(keys), [None] * len(keys), None, ttl=ttl)
         plan = Plan()
         entries = self.chain.store_entries(keys, plan, ttl)
-        self.moves.run(plan)
+        self.transfers.run(plan)
         if top.addressable:
             views = [top.view(e) if e is not None else None for e in entries]
         elif rows is not None:  # put: the caller's rows are written as they are (borrowed, below)
@@ -254,13 +254,13 @@ class KVStore:
         if tier is None:
             return 0
         if not tier.addressable:  # staged: written into the tier now
-            oks = self.moves.store(tier, h.entries, h.views, oks)
+            oks = self.transfers.store(tier, h.entries, h.views, oks)
         plan = Plan()
         self.chain.committed(tier, h.entries, oks, plan, None if tier.addressable else h.views, h.ttl)
         n = sum(oks)
         self.metrics.wrote(tier.name, n, 0, time.perf_counter() - h.started)
         # write-through copies: in the background, unless they read the caller's rows (put's)
-        self.moves.run(plan, borrowed=h.borrowed)
+        self.transfers.run(plan, borrowed=h.borrowed)
         self.update_gauges()
         return n
 
@@ -359,7 +359,7 @@ class KVStore:
             t.release(src)
             self._cut(h, idx[0])
             raise
-        self.moves.run(plan)
+        self.transfers.run(plan)
         top = self.chain.top
         mine = [de is None and (outs is None or i >= len(outs)) for i, de in zip(idx, up)]
         # private buffers: page aligned and padded, so a file tier reads into them at depth (its
@@ -368,7 +368,7 @@ class KVStore:
         dsts = [top.slot_view(de) if de is not None else next(spare) if m else outs[i]
                 for i, de, m in zip(idx, up, mine)]
         try:
-            oks = self.moves.read(t, src, dsts)
+            oks = self.transfers.read(t, src, dsts)
         except BaseException:
             top.abort(up)
             t.release(src)
@@ -436,7 +436,7 @@ class KVStore:
             finally:
                 self.end_load(h)
 
-        return self.moves.background(job)
+        return self.transfers.background(job)
 
     # -- maintenance ---------------------------------------------------------------------------
     @_call
@@ -448,7 +448,7 @@ class KVStore:
     def _sweep(self) -> int:
         plan = Plan()
         n = self.chain.expire(plan)
-        self.moves.run(plan)
+        self.transfers.run(plan)
         self.update_gauges()
         return n
 
@@ -459,7 +459,7 @@ class KVStore:
         if self.events is None or self._gate.closed:
             return []
         if (self._sweeping is None or self._sweeping.done()) and self.events.due(self.clock()):
-            self._sweeping = self.moves.background(self._sweep)
+            self._sweeping = self.transfers.background(self._sweep)
         return self.events.take()
 
     @_call
@@ -475,8 +475,8 @@ class KVStore:
             for i in range(0, len(todo), 64):
                 plan = Plan()
                 self.chain.write_down(todo[i:i + 64], plan)
-                n += self.moves.run(plan)
-            self.moves.flush()  # victims' files
+                n += self.transfers.run(plan)
+            self.transfers.flush()  # victims' files
             return n
         finally:
             if pinned:
@@ -484,7 +484,7 @@ class KVStore:
 
     def flush(self) -> None:
         """Wait for background work: demotions, write-through copies, file removals, prefetches."""
-        self.moves.flush()
+        self.transfers.flush()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for every tier to have its configured capacity (the DRAM pool is prepared in the
@@ -517,7 +517,7 @@ class KVStore:
             log.warning("kvstore: closing with %d calls in flight and %d handles open after %.0f s: %s", calls,
                         handles, wait_s, "the tiers are left open" if calls else "the DRAM slab is left mapped")
         try:
-            for f in self.moves.pending():  # demotions, write-through copies, removals, prefetches
+            for f in self.transfers.pending():  # demotions, write-through copies, removals, prefetches
                 try:
                     f.result()
                 except Exception as e:  # a failed background job must not stop the close
@@ -525,7 +525,7 @@ class KVStore:
             if persist and not self._tiers.temporary and not calls:
                 self._persist()
         finally:
-            self.moves.shutdown()
+            self.transfers.shutdown()
             if not calls:
                 self._tiers.close(keep_memory=handles > 0)
             self.metrics.close()

@@ -240,12 +240,12 @@ class Simulator:
             elif event == "not_admitted":
                 self.not_admitted += n
         plan.counts = []
-        for m in plan.moves:
+        for m in plan.transfers:
             if m.kind == FREE:
                 m.src.free(m.pairs)
             else:
                 self._deferred.append(m)
-        plan.moves = []
+        plan.transfers = []
 
     def _finish(self) -> None:
         """The end of a store call: background moves complete, in the order they started."""

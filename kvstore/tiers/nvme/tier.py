@@ -289,7 +289,7 @@ class NvmeTier(LocalTier):
     def spreads(self) -> bool:
         """Does one ``write_many``/``read_many`` call spread its batch over threads (the io_uring
         engine with helpers, raw blocks)? Then the mover makes one call a batch, not one per I/O
-        thread (:mod:`kvstore.store.moves`)."""
+        thread (:mod:`kvstore.store.transfers`)."""
         e = self.engine
         return e is not None and e.threads > 1 and self.codec is None and not failpoints.active
 

@@ -1,7 +1,7 @@
-"""Moves: the bytes the chain's decisions move between tiers, on the store's I/O pool. The only
+"""Transfers: the bytes the chain's decisions move between tiers, on the store's I/O pool. The only
 place in the store that reads or writes a medium.
 
-A :class:`kvstore.store.chain.Move` names a source tier (or the caller's staged buffers) and a
+A :class:`kvstore.store.chain.Transfer` names a source tier (or the caller's staged buffers) and a
 destination tier; it is routed by the pair's media, as vLLM's offloading routes transfers by
 (source medium, destination medium): a tier whose blocks are files (``fan_out``) gets a job per
 part of the move, one part per thread of the pool (the disk wants depth; each part one
@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from kvstore import failpoints
-from kvstore.store.chain import COPY, DEMOTE, FREE, Move, Plan, TierChain
+from kvstore.store.chain import COPY, DEMOTE, FREE, Transfer, Plan, TierChain
 from kvstore.store.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
 from kvstore.tiers.index import Entry
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 STAGED_MAX_BYTES = 512 << 20
 
 
-class Moves:
+class Transfers:
     def __init__(self, chain: TierChain, sink: StoreMetrics, *, block_bytes: int, io_threads: int = 4,
                  executor: Executor | None = None):
         self.chain = chain
@@ -145,7 +145,7 @@ class Moves:
         caller's (``put``'s rows), so those copies end before this returns: nothing reads a
         caller's buffer once its call is over."""
         self.sink.plan(plan)
-        moves, plan.moves, plan.counts = plan.moves, [], []
+        moves, plan.transfers, plan.counts = plan.transfers, [], []
         n = 0
         for m in moves:
             if m.kind == FREE:
@@ -170,7 +170,7 @@ class Moves:
         k = 1 if t.spreads else max(1, min(n, self.io_threads))
         return [range(i, n, k) for i in range(k)]
 
-    def _demote(self, m: Move) -> int:
+    def _demote(self, m: Transfer) -> int:
         """Victims written down from their slots: a job per part (each slot freed when its part is
         done), or, for a write-back of the caller's (``background`` False), all of them now."""
         jobs = [lambda p=[m.pairs[i] for i in part]: self._write_down(m, p) for part in self._parts(m.dst, len(m.pairs))]
@@ -180,7 +180,7 @@ class Moves:
             self.submit(job)
         return 0
 
-    def _write_down(self, m: Move, pairs: list[tuple[Entry, Entry]]) -> int:
+    def _write_down(self, m: Transfer, pairs: list[tuple[Entry, Entry]]) -> int:
         oks = [False] * len(pairs)
         try:
             for e, _ in pairs:
@@ -188,14 +188,14 @@ class Moves:
             oks = [bool(x) for x in m.dst.write_many([ne for _, ne in pairs], [m.src.slot_view(e) for e, _ in pairs])]
         except Exception as ex:  # never lost silently: counted below as failed writes
             log.warning("kvstore: writing %d blocks down to %s failed: %s", len(pairs), m.dst.name, ex)
-        self.chain.demoted(Move(DEMOTE, m.src, m.dst, pairs, moving=m.moving), oks)
+        self.chain.demoted(Transfer(DEMOTE, m.src, m.dst, pairs, moving=m.moving), oks)
         n = sum(oks)
         if n:
             self.sink.moved(demoted=n)
         self.sink.wrote(m.dst.name, n, len(oks) - n)
         return n
 
-    def _copy(self, m: Move) -> None:
+    def _copy(self, m: Transfer) -> None:
         """Write-through: a job per part into files, one batch into a batched medium."""
         parts = ([(self._copy_part, m, list(p)) for p in self._parts(m.dst, len(m.pairs))] if m.dst.fan_out
                  else [(self._copy_batch, m)] if m.pairs else [])
@@ -224,14 +224,14 @@ class Moves:
         for fn, *args in parts:
             self.submit(fn, *args)
 
-    def _copy_now(self, m: Move) -> None:
+    def _copy_now(self, m: Transfer) -> None:
         """A copy from the caller's buffers, while the caller waits."""
         if m.dst.fan_out:
             self._map([lambda p=list(part): self._copy_part(m, p) for part in self._parts(m.dst, len(m.pairs))])
         elif m.pairs:
             self._copy_batch(m)
 
-    def _source(self, m: Move, i: int) -> np.ndarray | None:
+    def _source(self, m: Transfer, i: int) -> np.ndarray | None:
         """Block ``i`` of a copy: the caller's staged buffer, or the source slot (the whole padded,
         page-aligned slot for a file: written in place with O_DIRECT)."""
         if m.views is not None:
@@ -241,7 +241,7 @@ class Moves:
             return None
         return m.src.slot_view(se) if m.dst.fan_out else m.src.view(se)
 
-    def _copy_part(self, m: Move, idx: list[int]) -> int:
+    def _copy_part(self, m: Transfer, idx: list[int]) -> int:
         oks = [False] * len(idx)
         try:
             srcs = [self._source(m, i) if m.pairs[i][1] is not None else None for i in idx]
@@ -252,12 +252,12 @@ class Moves:
         except Exception as ex:  # counted below as failed writes
             log.warning("kvstore: copying %d blocks to %s failed: %s", len(idx), m.dst.name, ex)
         finally:
-            self.chain.copied(Move(COPY, m.src, m.dst, [m.pairs[i] for i in idx]), oks)
+            self.chain.copied(Transfer(COPY, m.src, m.dst, [m.pairs[i] for i in idx]), oks)
         n = sum(1 for i in idx if m.pairs[i][1] is not None)
         self.sink.wrote(m.dst.name, sum(oks), n - sum(oks))
         return sum(oks)
 
-    def _copy_batch(self, m: Move) -> int:
+    def _copy_batch(self, m: Transfer) -> int:
         t0 = time.perf_counter()
         try:
             srcs = [self._source(m, i) for i in range(len(m.pairs))]

@@ -1,4 +1,4 @@
-"""Moving: the victims being written down to a lower tier, still in their slots.
+"""Demotions: the victims being written down to a lower tier, still in their slots.
 
 A victim of the top tier that the chain writes down (a demotion) keeps its slot until the write
 is done: until then lookups find it and loads pin it there (a hit of its tier). The slot is
@@ -16,7 +16,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.index import Entry
 
 
-class Moving:
+class Demotions:
     """Victims being written down: each still holds its slot and is served from it until its
     write is done; a load may pin it meanwhile, and the slot is freed with the last pin (a block
     promised to a load is never lost, even when its demotion fails)."""

@@ -55,7 +55,7 @@ SIDE_GATHER_CTAS = 16
 IDLE_LOAD_WAIT_S = 0.002
 
 
-class Mover:
+class StepRunner:
     def __init__(self, shared: SharedStore, *, async_saves: bool = False, async_loads: bool = False,
                  rank: int = 0, save_ctas: int | None = SIDE_GATHER_CTAS):
         self.shared = shared
