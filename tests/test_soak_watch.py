@@ -5,6 +5,7 @@ plot written."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -33,7 +34,11 @@ def test_process_numbers_of_this_process_and_a_child():
     child = subprocess.Popen(["sleep", "30"])
     try:
         before = sw.sample({"me": os.getpid(), "child": child.pid, "off": None})
-        hold = np.ones(64 * (1 << 20) // 8)  # 64 MiB, touched
+        # 64 MiB of fresh pages, touched: its own mapping (an np.ones could reuse memory an earlier
+        # test freed and the allocator kept resident: +0 MB, seen in a full run)
+        hold = mmap.mmap(-1, 64 << 20)
+        for i in range(0, 64 << 20, mmap.PAGESIZE):
+            hold[i] = 1
         files = [open(os.devnull) for _ in range(10)]
         stop = threading.Event()
         threads = [threading.Thread(target=stop.wait) for _ in range(3)]
@@ -45,7 +50,7 @@ def test_process_numbers_of_this_process_and_a_child():
             t.join()
         for f in files:
             f.close()
-        del hold
+        hold.close()
     finally:
         child.kill()
         child.wait()
