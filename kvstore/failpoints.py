@@ -34,6 +34,7 @@ Places (the context each passes) and the actions that make sense there:
   its block still in its DRAM slot; with ``nvme.write=enospc`` after it, a demotion that fails.
 * ``memory.pin``: ``raise``: registering a DRAM chunk with CUDA fails (start-up must fail).
 * ``rpc.serve`` (sock): ``close``: the worker closes the store socket mid-call.
+* ``sharedfs.io``: ``hold``: every call of the shared file-system tier waits (a stalled mount).
 """
 
 from __future__ import annotations

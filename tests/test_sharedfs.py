@@ -156,6 +156,40 @@ def test_the_folder_is_checked_and_its_key_named(tmp_path):
     assert errors == [] and not (tmp_path / "new").exists()
 
 
+def test_a_stalled_mount_costs_a_call_its_deadline_then_the_tier_is_skipped_and_a_late_read_lands_nowhere(tmp_path):
+    """A file system that stops answering (a hard NFS mount whose server is gone): a lookup, a
+    read and a write each return within the deadline as misses; then the tier is skipped (no
+    call waits) until its backoff ends; the stalled read, let go later, never writes the caller's
+    buffer; once the mount answers again, everything does, and nothing wrong was stored."""
+    from kvstore import failpoints
+    from kvstore.tiers.sharedfs import tier as sfs
+
+    t = tier(tmp_path, timeout_ms=200)
+    keys = [one_key(60 + i) for i in range(3)]
+    assert put(t, keys[:2]) == [True, True]
+    try:
+        failpoints.close_gate()
+        failpoints.arm("sharedfs.io=hold")
+        out = np.full(BLOCK, 7, np.uint8)
+        (e,) = t.acquire([keys[0]])
+        t0 = time.monotonic()
+        assert t.read(e, out) is False  # the stalled read: a miss within its deadline
+        assert time.monotonic() - t0 < 1.0 and t.stats["timeouts"] == 1 and not t.up
+        t0 = time.monotonic()
+        assert t.leading(keys) == 0 and put(t, keys[2:]) == [False]  # skipped: no wait at all
+        assert time.monotonic() - t0 < 0.1 and t.stats["skipped_down"] >= 2
+        failpoints.clear()  # the mount answers again: the stalled calls end now
+        time.sleep(0.3)
+        assert (out == 7).all()  # the late read landed in its own buffer, never the caller's
+        t._down_until = 0.0  # (the backoff, BACKOFF_S, over)
+        assert t.up and t.leading(keys) == 2 and np.array_equal(get(t, keys[0]), block_for(keys[0]))
+        assert put(t, keys[2:]) == [True] and np.array_equal(get(t, keys[2]), block_for(keys[2]))
+        assert sfs.BACKOFF_S >= 1
+    finally:
+        failpoints.clear()
+        t.close()
+
+
 # -- the sweeper -------------------------------------------------------------------------------------
 
 def test_capacity_keeps_the_most_recent_files(tmp_path):

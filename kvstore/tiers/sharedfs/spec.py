@@ -17,7 +17,9 @@ class SharedFsConfig(F.Sized):
     read it at once. ``capacity_gb`` and ``ttl_s`` (idle: a hit refreshes a file's time) hold for
     all of them together: one sweeper at a time (a lease in the folder, taken over
     ``lease_s`` after its holder stopped renewing it) removes what is past its TTL, then the
-    least recent files past the capacity, every ``sweep_s``."""
+    least recent files past the capacity, every ``sweep_s``. A call the file system does not
+    answer within ``timeout_ms`` is a miss, then a backoff (a stalled mount costs an engine no
+    more), on ``io_threads`` threads of its own."""
 
     path: str | None = F.field(None, F.path, what="folder", expand=True)  # null: the tier is off
     capacity_gb: float = F.field(100.0, F.number)
@@ -27,6 +29,8 @@ class SharedFsConfig(F.Sized):
     write_mode: str = F.field("write_through", F.choice, choices=WRITE_MODES)
     sweep_s: float = F.field(10.0, F.number, minimum=0.05, maximum=86400)
     lease_s: float = F.field(60.0, F.number, minimum=0.1, maximum=86400)
+    timeout_ms: int = F.field(1000, F.integer, minimum=1, maximum=60_000)  # a slower call is a miss, then a backoff
+    io_threads: int = F.field(4, F.integer, minimum=1, maximum=64)
 
     @property
     def enabled(self) -> bool:
@@ -47,7 +51,8 @@ def open_tier(ts, cfg: SharedFsConfig):
 
     return SharedFsTier(path=cfg.path, namespace=ts.namespace(SPEC.name), block_bytes=ts.block_bytes,
                         codec=ts.codec(cfg), codec_id=CODEC_IDS[cfg.codec], capacity_bytes=cfg.capacity_bytes,
-                        ttl_s=cfg.ttl_s, sweep_s=cfg.sweep_s, lease_s=cfg.lease_s)
+                        ttl_s=cfg.ttl_s, sweep_s=cfg.sweep_s, lease_s=cfg.lease_s, timeout_ms=cfg.timeout_ms,
+                        io_threads=cfg.io_threads)
 
 
 def check(cfg: SharedFsConfig) -> list:

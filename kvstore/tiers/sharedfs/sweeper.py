@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 LEASE = ".sweeper"
 SKEW_S = 5.0  # clocks of hosts may disagree by this much: a lease is taken over only past it
 TMP_MAX_AGE_S = 600.0  # a temporary file this old is a dead writer's (its rename would have come)
+STOP_WAIT_S = 2.0  # a close waits this long for a round in progress
 
 
 class Sweeper:
@@ -48,18 +49,29 @@ class Sweeper:
         self._thread = threading.Thread(target=self._run, name="kvstore-sharedfs-sweep", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the rounds; the lease handed on at once (rather than after ``lease_s``), within
+        the tier's deadline. False: a round is still stalled in the file system."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-        if self.holding:  # handed on at once rather than after lease_s
-            cur = self._read()
-            if cur is not None and cur[0] == self.me:
-                try:
-                    os.unlink(LEASE, dir_fd=self.t.root_fd)
-                except OSError:
-                    pass
+            self._thread.join(timeout=STOP_WAIT_S)
+            if self._thread.is_alive():
+                return False
+        if self.holding:
             self.holding = False
+            try:
+                self.t._call(self._release)
+            except Exception:  # noqa: BLE001 - Down, or closed: the lease runs out on its own
+                pass
+        return True
+
+    def _release(self) -> None:
+        cur = self._read()
+        if cur is not None and cur[0] == self.me:
+            try:
+                os.unlink(LEASE, dir_fd=self.t.root_fd)
+            except OSError:
+                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):

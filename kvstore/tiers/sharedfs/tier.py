@@ -19,6 +19,13 @@ the sweeper keeps the least recent files out (LRU by access time) and the ones i
 
 Every path below the folder is resolved from folder descriptors without following a symlink
 (:mod:`kvstore.tiers.nvme.folder`), as the NVMe tier's are.
+
+A network file system can stall (a hard NFS mount whose server is gone): every call runs on the
+tier's own threads and ends for its caller within ``timeout_ms`` (plus 50 ms per MiB it moves);
+one that does not is a miss, counted, and the tier is skipped for ``BACKOFF_S`` (as Redis is). A
+stalled thread keeps only its own buffers: a write is copied out of the caller's slot first, a
+read lands in a buffer of its own and is copied into the caller's only when it came in time, so a
+late one can neither write a slot reused meanwhile nor publish bytes that changed under it.
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ import socket
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from itertools import count
 from typing import Sequence
 
 import numpy as np
 
+from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
 from kvstore.tiers.base import Reservation, Tier
 from kvstore.tiers.index import READY, Entry
@@ -47,6 +57,12 @@ from kvstore.tiers.sharedfs.sweeper import Sweeper
 log = logging.getLogger(__name__)
 
 KEY = "tiers.sharedfs.path"
+BACKOFF_S = 5.0  # after a call past its deadline, the tier is skipped this long (then asked again)
+MIB_S = 0.05  # a call's deadline grows by this much per MiB it moves (as the Redis tier's)
+
+
+class Down(Exception):
+    """The file system did not answer in time, or the tier is in its backoff: a miss."""
 
 
 def writer_id() -> str:
@@ -63,7 +79,7 @@ class SharedFsTier(Tier):
 
     def __init__(self, *, path: str, namespace: bytes, block_bytes: int, codec=None, codec_id: int = 0,
                  capacity_bytes: int, ttl_s: float | None, sweep_s: float = 10.0, lease_s: float = 60.0,
-                 clock=time.time, sweep: bool = True):
+                 timeout_ms: int = 1000, io_threads: int = 4, clock=time.time, sweep: bool = True):
         """``sweep``: run the sweeper's thread (a test drives its rounds itself)."""
         base = check_folder(path, KEY)
         self.namespace, self.block_bytes = namespace, int(block_bytes)
@@ -79,7 +95,12 @@ class SharedFsTier(Tier):
         self.lock = threading.Lock()
         self.journal: list | None = None  # KV events: what this engine wrote, and what a read found gone
         self.stats = {"corrupt": 0, "missing": 0, "write_failed": 0, "expired": 0, "evicted": 0, "tmp_removed": 0,
-                      "sweeps": 0, "leases_taken": 0}
+                      "sweeps": 0, "leases_taken": 0, "timeouts": 0, "skipped_down": 0}
+        self.timeout_s = timeout_ms / 1000
+        self._threads = max(1, int(io_threads))
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="kvstore-sharedfs")
+        self._in_flight = 0  # calls submitted and not ended (stalled ones included): at most 2 per thread
+        self._down_until = 0.0
         self.corrupt_reasons: dict[str, int] = {}
         self._held = (0, 0)  # (files, bytes) the last sweep counted
         self.folder = base / f"kvstore-{namespace.hex()[:16]}"
@@ -141,8 +162,45 @@ class SharedFsTier(Tier):
     def _live(self, st: os.stat_result | None, now: float) -> bool:
         return st is not None and (self.ttl is None or st.st_mtime >= now - self.ttl)
 
+    # -- the deadline ---------------------------------------------------------------------------------
+    def _call(self, fn, *args, nbytes: int = 0):
+        """``fn(*args)`` on the tier's threads, within the deadline; else :class:`Down` (counted,
+        and the backoff begins). ``fn`` touches only buffers of its own."""
+        if time.monotonic() < self._down_until or self._in_flight >= 2 * self._threads:
+            self.count("skipped_down")
+            raise Down
+        with self.lock:
+            self._in_flight += 1
+        try:
+            fut = self._pool.submit(self._run, fn, args)
+        except RuntimeError:  # closed
+            with self.lock:
+                self._in_flight -= 1
+            raise Down from None
+        try:
+            return fut.result(timeout=self.timeout_s + MIB_S * nbytes / (1 << 20))
+        except FutureTimeout:
+            self.count("timeouts")
+            if time.monotonic() >= self._down_until:
+                log.warning("kvstore sharedfs: %s did not answer within %.0f ms; a miss, and the tier is skipped "
+                            "for %.0f s", self.folder, self.timeout_s * 1000, BACKOFF_S)
+            self._down_until = time.monotonic() + BACKOFF_S
+            raise Down from None
+
+    def _run(self, fn, args):
+        try:
+            failpoints.fire("sharedfs.io")
+            return fn(*args)
+        finally:
+            with self.lock:
+                self._in_flight -= 1
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
     # -- lookups (the files themselves) -------------------------------------------------------------
-    def leading(self, keys: Sequence[bytes]) -> int:
+    def _leading(self, keys: Sequence[bytes]) -> int:
         now, n = self.clock(), 0
         for k in keys:
             if not self._live(self._stat(k), now):
@@ -150,18 +208,32 @@ class SharedFsTier(Tier):
             n += 1
         return n
 
+    def leading(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            return self._call(self._leading, list(keys))
+        except Down:
+            return 0
+
     def contains(self, key: bytes) -> bool:
         return self.leading([key]) == 1
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         now = self.clock()
-        return [self._live(self._stat(k), now) for k in keys]
+        try:
+            return self._call(lambda ks: [self._live(self._stat(k), now) for k in ks], list(keys))
+        except Down:
+            return [False] * len(keys)
 
     def present_or_writing(self, key: bytes) -> bool:
         return self.holds([key])[0]
 
     def is_expired(self, key: bytes) -> bool:
-        st = self._stat(key)
+        try:
+            st = self._call(self._stat, key)
+        except Down:
+            return False
         return st is not None and not self._live(st, self.clock())
 
     # -- writes: nothing to reserve (a file is published whole by its rename) ------------------------
@@ -182,9 +254,22 @@ class SharedFsTier(Tier):
             with self.lock:
                 self.journal.extend((True, e.key) for e, ok in zip(entries, oks) if e is not None and ok)
 
+    def write_many(self, entries: Sequence[Entry], srcs: Sequence[np.ndarray]) -> list[bool]:
+        """One deadline for the batch; each block copied out of the caller's buffer first (a
+        stalled write may outlive the caller's slot)."""
+        if not entries:
+            return []
+        own = [np.array(as_bytes(x)[: self.block_bytes], copy=True) for x in srcs]
+        try:
+            return self._call(lambda: [self._write(e.key, b) for e, b in zip(entries, own)],
+                              nbytes=len(entries) * self.block_bytes)
+        except Down:
+            return [False] * len(entries)
+
     def write(self, entry: Entry, src: np.ndarray) -> bool:
-        key = entry.key
-        src = as_bytes(src)[: self.block_bytes]
+        return self.write_many([entry], [src])[0]
+
+    def _write(self, key: bytes, src: np.ndarray) -> bool:
         if self.codec is not None:
             buf = np.empty(self.payload_max, np.uint8)
             payload = buf[: self.codec.encode(src, buf)]
@@ -225,8 +310,28 @@ class SharedFsTier(Tier):
                 with self.lock:
                     self.journal.extend((False, k) for k in bad)
 
+    def read_many(self, entries: Sequence[Entry], outs) -> list[bool]:
+        """One deadline for the batch; each block read into a buffer of its own, copied into the
+        caller's only once the batch came in time."""
+        if not entries:
+            return []
+        try:
+            got = self._call(lambda: [self._read(e.key) for e in entries], nbytes=len(entries) * self.block_bytes)
+        except Down:
+            return [False] * len(entries)
+        for b, out in zip(got, outs):
+            if b is not None:
+                np.copyto(as_bytes(out)[: self.block_bytes], b, casting="no")
+        return [b is not None for b in got]
+
     def read(self, entry: Entry, out) -> bool:
-        key, name = entry.key, self.file_name(entry.key)
+        return self.read_many([entry], [out])[0]
+
+    def _read(self, key: bytes) -> np.ndarray | None:
+        """The block of ``key``'s file, in a buffer of its own, or None (a miss: counted, and a bad
+        file removed)."""
+        out = np.empty(self.block_bytes, np.uint8)
+        name = self.file_name(key)
         leaf = self.leaf(key.hex()[:2], False)
         if leaf < 0:
             return self._missing()
@@ -236,7 +341,7 @@ class SharedFsTier(Tier):
             return self._missing()
         except OSError as e:  # a symlink (ELOOP), a folder: never followed, removed
             self.bad(leaf, name, "not_a_file", str(e))
-            return False
+            return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -257,34 +362,34 @@ class SharedFsTier(Tier):
             if not ok_len or st.st_size != ff.HEADER_BYTES + h.payload_len:
                 raise ff.BadBlockFile("truncated" if st.st_size < ff.HEADER_BYTES + h.payload_len else "bad_size",
                                       f"{st.st_size} bytes for a {h.payload_len}-byte payload")
-            dst = as_bytes(out)[: self.block_bytes] if self.codec is None else np.empty(h.payload_len, np.uint8)
+            dst = out if self.codec is None else np.empty(h.payload_len, np.uint8)
             if os.preadv(fd, [dst[: h.payload_len]], ff.HEADER_BYTES) != h.payload_len:
                 raise ff.BadBlockFile("truncated", "short payload")
             if ff.checksum(dst[: h.payload_len]) != h.checksum:
                 raise ff.BadBlockFile("bad_checksum")
             if self.codec is not None:
                 try:
-                    self.codec.decode(dst, h.payload_len, as_bytes(out)[: self.block_bytes])
+                    self.codec.decode(dst, h.payload_len, out)
                 except Exception as e:  # noqa: BLE001 - a payload that does not decode
                     raise ff.BadBlockFile("bad_payload", f"{type(e).__name__}: {e}") from None
             try:
                 os.utime(fd)  # a hit: the least recent files go first (the sweeper)
             except OSError:
                 pass
-            return True
+            return out
         except ff.BadBlockFile as e:
             self.bad(leaf, name, e.reason, str(e))
-            return False
+            return None
         except OSError as e:
             self.bad(leaf, name, "read_failed", str(e))
-            return False
+            return None
         finally:
             os.close(fd)
 
-    def _missing(self) -> bool:
+    def _missing(self) -> None:
         with self.lock:
             self.stats["missing"] += 1
-        return False
+        return None
 
     # -- bad files ------------------------------------------------------------------------------------
     def bad_count(self, reason: str, detail: str) -> None:
@@ -322,7 +427,8 @@ class SharedFsTier(Tier):
         self._held = (files, nbytes)
 
     def error_counts(self) -> dict[str, int]:
-        return {"write": self.stats["write_failed"]}
+        return {"write": self.stats["write_failed"], "timeout": self.stats["timeouts"],
+                "down": self.stats["skipped_down"]}
 
     @property
     def used_bytes(self) -> int:
@@ -336,7 +442,15 @@ class SharedFsTier(Tier):
         return self._held[0]
 
     def close(self) -> None:
-        self.sweeper.stop()
+        """Stop the sweeper and the calls' threads. The folder descriptors are closed only when
+        no call or round is stalled in the file system: a stalled one still uses them, and a number
+        closed under it and reused could put its file in another folder (left to the exit)."""
+        quiet = self.sweeper.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if not quiet or self._in_flight:
+            log.warning("kvstore sharedfs: %s closed with a call stalled in the file system; its folder "
+                        "descriptors are left to the process's exit", self.folder)
+            return
         with self.lock:
             fds, self._leaves = list(self._leaves.values()), {}
         for fd in fds + [self.tmp_fd, self.root_fd]:
