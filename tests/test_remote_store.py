@@ -330,3 +330,27 @@ def test_one_staged_copy_larger_than_the_cap_goes_when_nothing_else_is_in_flight
         assert M(a, "kvstore_tier_skipped_blocks_total", tier="remote", reason="backlog") == 0
     finally:
         a.close()
+
+
+def test_a_write_skipped_in_the_backoff_is_counted_down_not_failed(tmp_path, redis_launcher, monkeypatch):  # noqa: F811
+    """A write Redis never saw (its tier in a backoff) is one count: ``down``; a write that was
+    tried and failed is ``write``. Each block was counted twice before (both)."""
+    srv = redis_launcher.single()
+    s = _store(tmp_path, "a", srv, monkeypatch=monkeypatch, timeout_ms=300)
+    s.remote.client._backoff = (30.0, 30.0)  # the backoff outlasts the test
+    try:
+        srv.kill()
+        first, then = make_keys(4, seed=1), make_keys(4, seed=2)
+        s.put(first, blocks_for(first))  # tried: Redis is gone; the backoff begins
+        s.flush()
+        w0, d0 = M(s, "kvstore_tier_errors_total", tier="remote", op="write"), \
+            M(s, "kvstore_tier_errors_total", tier="remote", op="down")
+        assert w0 >= 1 and not s.remote.up
+        s.put(then, blocks_for(then))  # in the backoff: never sent
+        s.flush()
+        s.update_gauges()
+        w1, d1 = M(s, "kvstore_tier_errors_total", tier="remote", op="write"), \
+            M(s, "kvstore_tier_errors_total", tier="remote", op="down")
+        assert (w1 - w0, d1 - d0) == (0, 4)
+    finally:
+        s.close(wait_s=0)

@@ -243,6 +243,7 @@ class Transfers:
 
     def _copy_part(self, m: Transfer, idx: list[int]) -> int:
         oks = [False] * len(idx)
+        up = m.dst.up  # a tier in its backoff skips the writes and counts them (down): no write failed
         try:
             srcs = [self._source(m, i) if m.pairs[i][1] is not None else None for i in idx]
             go = [k for k, src in enumerate(srcs) if src is not None]
@@ -254,11 +255,11 @@ class Transfers:
         finally:
             self.chain.copied(Transfer(COPY, m.src, m.dst, [m.pairs[i] for i in idx]), oks)
         n = sum(1 for i in idx if m.pairs[i][1] is not None)
-        self.sink.wrote(m.dst.name, sum(oks), n - sum(oks))
+        self.sink.wrote(m.dst.name, sum(oks), (n - sum(oks)) if up else 0)
         return sum(oks)
 
     def _copy_batch(self, m: Transfer) -> int:
-        t0 = time.perf_counter()
+        t0, up = time.perf_counter(), m.dst.up
         try:
             srcs = [self._source(m, i) for i in range(len(m.pairs))]
             oks = m.dst.write_many([de for _, de in m.pairs], srcs)
@@ -266,7 +267,7 @@ class Transfers:
             log.warning("kvstore: copying %d blocks to %s failed: %s", len(m.pairs), m.dst.name, ex)
             oks = [False] * len(m.pairs)
         self.chain.copied(m, oks)
-        self.sink.wrote(m.dst.name, sum(oks), len(oks) - sum(oks), time.perf_counter() - t0)
+        self.sink.wrote(m.dst.name, sum(oks), (len(oks) - sum(oks)) if up else 0, time.perf_counter() - t0)
         self.sink.sync(m.dst)
         return sum(oks)
 
@@ -276,6 +277,7 @@ class Transfers:
         idx = [i for i, (e, o) in enumerate(zip(entries, oks)) if e is not None and o]
         if not idx:
             return oks
+        up = t.up  # (see _copy_part)
         if t.fan_out:
             parts = [[idx[k] for k in part] for part in self._parts(t, len(idx))]
             done = self._map([lambda p=p: self._part(t, "writing", lambda: t.write_many(
@@ -288,7 +290,7 @@ class Transfers:
         out = list(oks)
         for i, r in zip(idx, res):
             out[i] = bool(r)
-        fails = len(idx) - sum(map(bool, res))
+        fails = len(idx) - sum(map(bool, res)) if up else 0
         self.sink.wrote(t.name, 0, fails)
         self.sink.sync(t)
         return out
