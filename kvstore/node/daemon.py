@@ -82,6 +82,7 @@ class NodeDaemon:
         self.config = config
         self.stores: dict[tuple, KVStore] = {}
         self._wanted: dict[int, int] = {}  # id(store) -> its index's ``wanted`` at the last rebalance
+        self._trim: set[int] = set()  # id(store) of those whose limit fell: trimmed once their demotions end
         self.logs: dict[int, EventLog] = {}  # id(store) -> its KV-event records, read by its engines
         self.models: dict[int, str] = {}  # id(store) -> its model's name (metrics labels)
         self.engines: dict[bytes, Attachment] = {}
@@ -186,13 +187,15 @@ class NodeDaemon:
                                            quota=self._quota(self.models[id(s)])))
         limits = budget.rebalance(shares, self.config.tiers.dram.capacity_bytes)
         for s, sh, lim in zip(stores, shares, limits):
+            if id(s) in self._trim and not len(s.chain.demotions):  # its blocks past the limit left their
+                s.dram.trim()  # slots (written down) since a round before: their memory goes back
+                self._trim.discard(id(s))
             if lim == sh.limit:
                 continue
             s.dram.limit(lim)
-            if lim < sh.limit:  # what it holds past it is written down now, then its memory goes back
+            if lim < sh.limit:  # what it holds past it is written down (in the store's background)
                 s.sweep()
-                s.flush()
-                s.dram.trim()
+                self._trim.add(id(s))
         return limits
 
     # -- engines ---------------------------------------------------------------------------------
@@ -207,7 +210,7 @@ class NodeDaemon:
                 if s is not None:
                     return s
                 if len(self.stores) >= MAX_STORES:
-                    raise ValueError(f"{MAX_STORES} models have stores here already (each a DRAM slab of "
+                    raise ValueError(f"{MAX_STORES} models have stores here already (sharing one DRAM budget, "
                                      f"tiers.dram.capacity_gb); stop this daemon to free them")
                 # the budget left to a newcomer (the first model: all of it, pre-faulted); the rest of
                 # its slab takes pages as the budget moves some to it (kvstore.node.budget)
