@@ -1,7 +1,7 @@
 """The shared tier: blocks in Redis or Valkey (:class:`~kvstore.tiers.redis.client.RedisClient`),
 under every engine of a model.
 
-Redis keeps the index (its own TTL and eviction), so as a :class:`~kvstore.tiers.base.Tier`
+Redis keeps the index (its own TTL and eviction), so as a :class:`~kvstore.tiers.shared.SharedTier`
 this one reserves nothing, pins nothing and has no victims: a write is a SET that overwrites
 (in one namespace a key names the same bytes in every engine), a read a GETRANGE capped at the
 longest value of ours (with a PEXPIRE beside it when there is a TTL) whose checks may find the block
@@ -14,19 +14,17 @@ MiB it moved) whatever the server does (:mod:`~kvstore.tiers.redis.conn`); a fai
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from kvstore.tiers.base import Reservation, Tier
-from kvstore.tiers.index import READY, Entry
+from kvstore.tiers.index import Entry
 from kvstore.tiers.redis.client import RedisClient
 from kvstore.tiers.redis.conn import ENV_PASSWORD, ENV_USER, RemoteAuthError, RemoteTLSError, RemoteUnavailable
 from kvstore.tiers.redis.presence import Presence
 from kvstore.tiers.redis.value import secrets_from_env
+from kvstore.tiers.shared import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +32,14 @@ log = logging.getLogger(__name__)
 ERROR_OPS = {"errors_get": "read", "errors_exists": "lookup", "timeouts": "timeout", "skipped_down": "down"}
 
 
-class RedisTier(Tier):
+class RedisTier(SharedTier):
     name = "remote"
-    shared = True
-    write_through = True  # every block stored in a local tier is shared at once
 
     def __init__(self, client: RedisClient, presence: Presence, block_bytes: int):
+        super().__init__(block_bytes)
         self.client = client
         self.presence = presence
-        self.block_bytes = int(block_bytes)
         self.ttl = None if client.ttl_ms is None else client.ttl_ms / 1000
-        # KV events (kvstore.store.events): (True, key) for what this engine wrote, (False, key) for
-        # what a read found gone or bad; Redis evicts and expires on its own, unseen. None: off
-        self.journal: list | None = None
-        self.lock = threading.Lock()
 
     @classmethod
     def open(cls, cfg, *, namespace: bytes, block_bytes: int, codec, codec_id: int,
@@ -74,10 +66,6 @@ class RedisTier(Tier):
     def __repr__(self) -> str:
         return f"<RedisTier {self.client!r}>"
 
-    def _entry(self, key: bytes, ttl: float | None = None) -> Entry:
-        return Entry(key=key, nbytes=self.block_bytes, last_access=0.0, expire_at=math.inf, state=READY,
-                     ttl=ttl, hint=ttl)
-
     # -- lookups (one batch each; within timeout_ms together) ---------------------------------------
     def leading(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -85,58 +73,17 @@ class RedisTier(Tier):
         with self.client.deadline():  # the probe and the rest of the prompt: timeout_ms in all
             return self.presence.walk(keys, self.client.exists)  # one ask per request (see .presence)
 
-    def contains(self, key: bytes) -> bool:
-        return self.leading([key]) == 1
-
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         """What Redis holds, less the values this engine refused and kept a moment ago: a store
         then writes over them."""
         return self.presence.unheld(keys, self.client.exists(keys)) if keys else []
 
-    def present_or_writing(self, key: bytes) -> bool:
-        return self.holds([key])[0]
+    # what this engine wrote, and what a read found gone or bad (ask again next time): .presence
+    def stored(self, keys: list[bytes]) -> None:
+        self.presence.stored(keys)
 
-    # -- writes: nothing to reserve ------------------------------------------------------------------
-    def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
-        seen: set[bytes] = set()
-        out = Reservation()
-        for k in keys:  # a repeated key is written once
-            out.append(None if k in seen else self._entry(k, ttl))
-            seen.add(k)
-        return out
-
-    def commit(self, entries, oks, at=None, session=None, keep_pinned=False) -> None:
-        stored = [e.key for e, ok in zip(entries, oks) if e is not None and ok]
-        self.presence.stored(stored)
-        if self.journal is not None:  # KV events: what this engine wrote is servable here
-            with self.lock:
-                self.journal.extend((True, k) for k in stored)
-
-    def journal_on(self) -> list[bytes]:
-        with self.lock:
-            self.journal = []
-        return []
-
-    def journal_take(self) -> list[tuple[bool, bytes]]:
-        with self.lock:
-            j = self.journal
-            if j is None:
-                return []
-            self.journal = []
-        return j
-
-    # -- reads: nothing to pin -----------------------------------------------------------------------
-    def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
-        """Entries for keys a lookup found here (Redis refreshes a hit's TTL when it is read)."""
-        return [self._entry(k) for k in keys]
-
-    def release(self, entries, oks=None) -> None:
-        if oks is not None:  # found gone or bad at a read: ask again next time
-            bad = [e.key for e, ok in zip(entries, oks) if e is not None and not ok]
-            self.presence.forget(bad)
-            if self.journal is not None and bad:  # KV events: the only removals this engine sees here
-                with self.lock:
-                    self.journal.extend((False, k) for k in bad)
+    def gone(self, keys: list[bytes]) -> None:
+        self.presence.forget(keys)
 
     # -- the medium ----------------------------------------------------------------------------------
     def write_many(self, entries: Sequence[Entry], srcs: Sequence[np.ndarray]) -> list[bool]:
@@ -154,12 +101,6 @@ class RedisTier(Tier):
         oks = self.client.get([e.key for e in entries], outs, refused)
         self.presence.refused(refused)  # kept in Redis, absent here a while (see .presence)
         return oks
-
-    def write(self, entry: Entry, src: np.ndarray) -> bool:
-        return self.write_many([entry], [src])[0]
-
-    def read(self, entry: Entry, out: np.ndarray) -> bool:
-        return self.read_many([entry], [out])[0]
 
     # -- accounting ----------------------------------------------------------------------------------
     @property

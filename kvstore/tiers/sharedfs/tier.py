@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import re
 import socket
 import stat
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -48,10 +46,10 @@ import numpy as np
 
 from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
-from kvstore.tiers.base import Reservation, Tier
-from kvstore.tiers.index import READY, Entry
+from kvstore.tiers.index import Entry
 from kvstore.tiers.memory import as_bytes
 from kvstore.tiers.nvme.folder import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, NotOurs, check_folder, discard, open_subdir
+from kvstore.tiers.shared import SharedTier
 from kvstore.tiers.sharedfs.sweeper import Sweeper
 
 log = logging.getLogger(__name__)
@@ -71,10 +69,8 @@ def writer_id() -> str:
     return f"{host}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
-class SharedFsTier(Tier):
+class SharedFsTier(SharedTier):
     name = "sharedfs"
-    shared = True
-    write_through = True  # every block stored in a local tier is shared at once (as Redis)
     fan_out = True  # each block's file I/O is worth a thread of the store's pool
 
     def __init__(self, *, path: str, namespace: bytes, block_bytes: int, codec=None, codec_id: int = 0,
@@ -82,7 +78,8 @@ class SharedFsTier(Tier):
                  timeout_ms: int = 1000, io_threads: int = 4, clock=time.time, sweep: bool = True):
         """``sweep``: run the sweeper's thread (a test drives its rounds itself)."""
         base = check_folder(path, KEY)
-        self.namespace, self.block_bytes = namespace, int(block_bytes)
+        super().__init__(block_bytes)
+        self.namespace = namespace
         self.codec, self.codec_id = codec, int(codec_id)
         self.payload_max = codec.encoded_bytes if codec is not None else self.block_bytes
         self.fixed_size = codec is None or codec.fixed_size
@@ -92,8 +89,6 @@ class SharedFsTier(Tier):
         self.uid = os.geteuid()
         self.id = writer_id()
         self._n = count()
-        self.lock = threading.Lock()
-        self.journal: list | None = None  # KV events: what this engine wrote, and what a read found gone
         self.stats = {"corrupt": 0, "missing": 0, "write_failed": 0, "expired": 0, "evicted": 0, "tmp_removed": 0,
                       "sweeps": 0, "leases_taken": 0, "timeouts": 0, "skipped_down": 0}
         self.timeout_s = timeout_ms / 1000
@@ -216,18 +211,12 @@ class SharedFsTier(Tier):
         except Down:
             return 0
 
-    def contains(self, key: bytes) -> bool:
-        return self.leading([key]) == 1
-
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         now = self.clock()
         try:
             return self._call(lambda ks: [self._live(self._stat(k), now) for k in ks], list(keys))
         except Down:
             return [False] * len(keys)
-
-    def present_or_writing(self, key: bytes) -> bool:
-        return self.holds([key])[0]
 
     def is_expired(self, key: bytes) -> bool:
         try:
@@ -236,24 +225,7 @@ class SharedFsTier(Tier):
             return False
         return st is not None and not self._live(st, self.clock())
 
-    # -- writes: nothing to reserve (a file is published whole by its rename) ------------------------
-    def _entry(self, key: bytes, ttl: float | None = None) -> Entry:
-        return Entry(key=key, nbytes=self.block_bytes, last_access=0.0, expire_at=math.inf, state=READY, ttl=ttl,
-                     hint=ttl)
-
-    def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
-        seen: set[bytes] = set()
-        out = Reservation()
-        for k in keys:  # a repeated key is written once
-            out.append(None if k in seen else self._entry(k, ttl))
-            seen.add(k)
-        return out
-
-    def commit(self, entries, oks, at=None, session=None, keep_pinned=False) -> None:
-        if self.journal is not None:  # KV events: what this engine wrote is servable here
-            with self.lock:
-                self.journal.extend((True, e.key) for e, ok in zip(entries, oks) if e is not None and ok)
-
+    # -- the medium (a file is published whole by its rename) ------------------------------------------
     def write_many(self, entries: Sequence[Entry], srcs: Sequence[np.ndarray]) -> list[bool]:
         """One deadline for the batch; each block copied out of the caller's buffer first (a
         stalled write may outlive the caller's slot)."""
@@ -265,9 +237,6 @@ class SharedFsTier(Tier):
                               nbytes=len(entries) * self.block_bytes)
         except Down:
             return [False] * len(entries)
-
-    def write(self, entry: Entry, src: np.ndarray) -> bool:
-        return self.write_many([entry], [src])[0]
 
     def _write(self, key: bytes, src: np.ndarray) -> bool:
         if self.codec is not None:
@@ -299,17 +268,6 @@ class SharedFsTier(Tier):
                 log.warning("kvstore sharedfs: writing a block failed: %s", e)
             return False
 
-    # -- reads: nothing to pin -----------------------------------------------------------------------
-    def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
-        return [self._entry(k) for k in keys]
-
-    def release(self, entries, oks=None) -> None:
-        if oks is not None and self.journal is not None:  # KV events: the only removals this engine sees
-            bad = [e.key for e, ok in zip(entries, oks) if e is not None and not ok]
-            if bad:
-                with self.lock:
-                    self.journal.extend((False, k) for k in bad)
-
     def read_many(self, entries: Sequence[Entry], outs) -> list[bool]:
         """One deadline for the batch; each block read into a buffer of its own, copied into the
         caller's only once the batch came in time."""
@@ -323,9 +281,6 @@ class SharedFsTier(Tier):
             if b is not None:
                 np.copyto(as_bytes(out)[: self.block_bytes], b, casting="no")
         return [b is not None for b in got]
-
-    def read(self, entry: Entry, out) -> bool:
-        return self.read_many([entry], [out])[0]
 
     def _read(self, key: bytes) -> np.ndarray | None:
         """The block of ``key``'s file, in a buffer of its own, or None (a miss: counted, and a bad
@@ -402,20 +357,6 @@ class SharedFsTier(Tier):
         """Count a bad file and remove it (the name: a symlink is unlinked, never followed)."""
         self.bad_count(reason, f"{name}: {detail}")
         discard(dir_fd, name, whole=False)
-
-    # -- KV events --------------------------------------------------------------------------------
-    def journal_on(self) -> list[bytes]:
-        with self.lock:
-            self.journal = []
-        return []
-
-    def journal_take(self) -> list[tuple[bool, bytes]]:
-        with self.lock:
-            j = self.journal
-            if j is None:
-                return []
-            self.journal = []
-        return j
 
     # -- accounting ---------------------------------------------------------------------------------
     def count(self, what: str, n: int = 1) -> None:
