@@ -147,9 +147,11 @@ def test_counters_are_exact_through_the_connector(tiny_model, tmp_path):
     a = prompt(200, 31)
     b = a[:96] + prompt(104, 32)  # shares 3 blocks with a
     ref = reference(tiny_model, [a, b])
+    from kvstore.tiers.registry import NAMES  # the readout names every registered medium
+
     exp = {"requests": 0, "prompt_tokens": 0, "engine_local_hit_tokens": 0,
-           "served_tokens": {"dram": 0, "nvme": 0, "remote": 0},
-           "held_tokens": {"dram": 0, "nvme": 0, "remote": 0}, "unsupplied_tokens": {}}
+           "served_tokens": dict.fromkeys(NAMES, 0), "held_tokens": dict.fromkeys(NAMES, 0),
+           "unsupplied_tokens": {}}
 
     def expect(local=0, served=None, held=None, **unsupplied):
         exp["requests"] += 1
