@@ -365,7 +365,11 @@ def test_agent_ttl_and_capacity_misses_have_their_reason():
     res = agent.replay(reqs, cap, block_tokens=BT, payload_bytes=1024, kv_block_bytes=kvb, windows=1)
     _checks_hold(res)
     assert res["hit_tokens"] == 8 * BT and res["miss_tokens"]["evicted"] == 0
-    assert res["hit_tokens_dram"] + res["hit_tokens_nvme"] == 8 * BT and res["store_metrics"]["demotions"] >= 8
+    # every block served from NVMe was demoted there; a block hit while its demotion was still in
+    # flight is served from its DRAM slot, and that demotion may be dropped (7 of 8 demotions, in
+    # about 1 run in 8 on this VM, a fresh clone's CI run among them; also at a06ebe1)
+    assert res["hit_tokens_dram"] + res["hit_tokens_nvme"] == 8 * BT
+    assert res["store_metrics"]["demotions"] >= res["hit_tokens_nvme"] // BT
 
 
 def test_agent_command_small(tmp_path, capsys):
