@@ -41,7 +41,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 def tiny_model(tmp_path_factory) -> str:
     """The folder of a tiny random Llama (256 hidden, 4 layers), built once per test process;
     a module that needs another shape defines its own ``tiny_model``."""
-    from kvstore.bench.tiny_model import build_tiny_llama
+    from kvstore.bench.common.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), hidden=256, layers=4, seed=0)
 

@@ -19,7 +19,7 @@ Everything is skipped cleanly where ``redis-server`` is not on PATH.
 
 Hostile fakes (no redis-server needed): ``FakeRedis(mode)`` is a loopback server that speaks just
 enough RESP to be taken for Redis and then trickles, stalls, or answers the handshake wrongly
-(bench/fault_families/hostile.py, shared with the ``trust`` fault family; re-exported here).
+(bench/faults/families/hostile.py, shared with the ``trust`` fault family; re-exported here).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstore.bench.fault_families.hostile import MODES, FakeRedis  # noqa: F401 (re-exported for the tests)
-from kvstore.bench.redis_local import free_port, launch, server_argv
+from kvstore.bench.faults.families.hostile import MODES, FakeRedis  # noqa: F401 (re-exported for the tests)
+from kvstore.bench.common.redis_local import free_port, launch, server_argv
 
 _LIVE: set["Server"] = set()
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvstore.bench import agent, tiers
-from kvstore.bench import workload as wl
+from kvstore.bench.agent import workload as wl
 from kvstore.keys import chain_keys
 from kvstore.trace import read_trace
 
@@ -71,7 +71,7 @@ def test_every_caller_has_a_call_when_the_blocks_are_few():
     at once (before, one call: one caller working, three idle, beside a limit copying from 4)."""
     import threading
 
-    from kvstore.bench.tiers_ops import call_batch, run_op
+    from kvstore.bench.tiers.ops import call_batch, run_op
 
     together = threading.Barrier(4, timeout=10)  # broken unless 4 callers are in a call at once
     sizes = []
@@ -127,9 +127,9 @@ def test_tiers_nvme_paths_share_each_limit(tmp_path):
 def test_every_timed_nvme_phase_starts_on_a_settled_disk(tmp_path, monkeypatch):
     """Each NVMe limit (its file created right before its clock starts) and each store path starts
     right after an os.sync(): the files the previous phase removed are not freed on the next
-    one's time (bench/limits.py settle: fresh puts 0.71-0.95 of their limit without it on a
+    one's time (bench/tiers/limits.py settle: fresh puts 0.71-0.95 of their limit without it on a
     ``discard`` mount, 0.81-0.98 with it)."""
-    from kvstore.bench import limits, tiers_local
+    from kvstore.bench.tiers import limits, local as tiers_local
 
     log: list[str] = []
     monkeypatch.setattr(os, "sync", lambda: log.append("sync"))
@@ -147,7 +147,7 @@ def test_every_timed_nvme_phase_starts_on_a_settled_disk(tmp_path, monkeypatch):
 def test_the_sequential_limit_moves_the_rows_themselves(tmp_path):
     """The dd-style NVMe limit writes the bench's rows and reads them back into its output rows (the
     same memory a store fills), not one reused buffer; its file is gone after."""
-    from kvstore.bench.limits import odirect_seq_rows_gbps
+    from kvstore.bench.tiers.limits import odirect_seq_rows_gbps
     from kvstore.tiers.memory import alloc_aligned
 
     _m1, src = alloc_aligned(24 << 20)
@@ -524,7 +524,7 @@ def test_e2e_counts_only_kvstore_threads():
     as `kvstore bench e2e`: vLLM's OpenMP threads were charged to kvstore, 99 % of the wall time)."""
     import threading
 
-    from kvstore.bench.e2e_cases import kvstore_thread_cpu
+    from kvstore.bench.e2e.cases import kvstore_thread_cpu
 
     def spin(stop):
         x = 0
@@ -569,7 +569,8 @@ def test_copy_mode_through_the_cli(tmp_path, capsys):
 def test_a_missing_dir_is_made_and_a_file_is_a_clear_error(tmp_path, capsys):
     """``--dir`` of a folder not there yet: made, private (a bench once stopped at its first
     temp folder with "No such file or directory"); a file there: an argparse error naming it."""
-    from kvstore.bench import e2e, harness
+    from kvstore.bench import e2e
+    from kvstore.bench.common import harness
 
     new = tmp_path / "a" / "b"
     assert harness.parser(e2e.__name__).parse_args(["--dir", str(new)]).dir == str(new)
@@ -585,7 +586,7 @@ def test_a_missing_dir_is_made_and_a_file_is_a_clear_error(tmp_path, capsys):
 def test_hash_cost_reads_a_stores_blocks_through_its_engine_both_ways(tmp_path):
     """nvme_profile --hash-cost: the store's own files read back through its native engine, with the
     checksum and without, each beside the same rounds' O_DIRECT limit; every byte read is checked."""
-    from kvstore.bench import nvme_profile
+    from kvstore.bench.tiers import nvme_profile
     from kvstore.tiers.nvme import blockio
 
     if not blockio.available():
@@ -601,7 +602,7 @@ def test_the_restart_scan_time_indexes_every_file_it_wrote(tmp_path, monkeypatch
     """nvme_profile --scan: N block files written, a new tier's scan timed; every file indexed,
     none dropped. --scan-cold drops the caches before each scan (recorded here, not done: the
     machine's caches stay) and says whether it could."""
-    from kvstore.bench import nvme_profile
+    from kvstore.bench.tiers import nvme_profile
 
     r = nvme_profile.scan_time(300, 4096, str(tmp_path / "warm"), "xattr", repeats=2)
     assert r["files"] == 300 and r["indexed"] == 300 and r["dropped"] == 0 and len(r["seconds"]) == 2

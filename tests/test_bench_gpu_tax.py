@@ -1,4 +1,4 @@
-"""bench/gpu_tax.py runs where CI runs (a CPU, float32, tiny shapes), so the GPU session that
+"""bench/copy/gpu_tax.py runs where CI runs (a CPU, float32, tiny shapes), so the GPU session that
 runs it for real finds it working: every design's rounds are timed beside the engine alone, and the
 store really took the steps' blocks (stored in DRAM, demoted to files), in both save orders."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvstore.bench import gpu_tax
+from kvstore.bench.copy import gpu_tax
 
 TINY = ["--device", "cpu", "--dtype", "float32", "--rounds", "2", "--steps", "4", "--tokens", "64",
         "--layers", "2", "--hidden", "128", "--ffn", "256", "--kv-heads", "2", "--head-size", "64",

@@ -1,4 +1,4 @@
-"""``kvstore bench tiers --peer lmcache`` (bench/tiers_peer.py): a missing peer is one line, never a
+"""``kvstore bench tiers --peer lmcache`` (bench/tiers/peer.py): a missing peer is one line, never a
 failure; the rows beside the peer give both stores' GB/s, each as a ratio to the same limit, and
 kvstore / LMCache. CI never has the peer's venv (make peers): the kvstore side runs for real."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench import tiers, tiers_peer
-from kvstore.bench.tiers_report import peer_table
+from kvstore.bench import tiers
+from kvstore.bench.tiers import peer as tiers_peer
+from kvstore.bench.tiers.report import peer_table
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

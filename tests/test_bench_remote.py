@@ -1,4 +1,4 @@
-"""The benchmarks' remote tier (Redis): ``bench/redis_local.py``, ``kvstore bench tiers --tiers remote``
+"""The benchmarks' remote tier (Redis): ``bench/common/redis_local.py``, ``kvstore bench tiers --tiers remote``
 (store put/get beside a raw pipelined SET/GETEX on the same server) and ``kvstore bench e2e``'s
 ``two_engines`` group (engine A stores through Redis, engine B in another process hits it).
 Skipped cleanly where ``redis-server`` is not installed (and, for e2e, where vLLM is not)."""
@@ -12,7 +12,8 @@ import secrets
 
 import pytest
 
-from kvstore.bench import redis_local, tiers
+from kvstore.bench import tiers
+from kvstore.bench.common import redis_local
 from kvstore.tiers.redis.value import MAC_BYTES
 
 pytestmark = pytest.mark.skipif(not redis_local.available(), reason="redis-server is not on PATH")

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from kvstore.bench.ports import free_port
+from kvstore.bench.common.ports import free_port
 from kvstore.store.sizing import ModelShape, sizing_line
 from kvstore.config import load_config
 

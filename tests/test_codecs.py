@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.bench.fault_families import bombs
+from kvstore.bench.faults.families import bombs
 from kvstore.tiers import fileformat as ff
 from kvstore.codecs import CodecError, Geometry, make_codec
 from kvstore.config import ConfigError, from_dict

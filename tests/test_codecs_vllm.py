@@ -38,7 +38,7 @@ TOPK = 5
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
+    from kvstore.bench.common.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-codecs")), hidden=128, layers=2, seed=0)
 

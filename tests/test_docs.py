@@ -107,7 +107,7 @@ def test_docs_blocks_run(tmp_path, name, expect):
 
 
 def _free_ports(n: int) -> list[str]:
-    from kvstore.bench.ports import free_ports
+    from kvstore.bench.common.ports import free_ports
 
     return [str(p) for p in free_ports(n)]
 

@@ -1,5 +1,5 @@
-"""The fault suite, CI-sized (the long run is ``kvstore bench faults``; both use bench/faults.py and its
-families in bench/fault_families/).
+"""The fault suite, CI-sized (the long run is ``kvstore bench faults``; both use bench/faults/ and its
+families in bench/faults/families/).
 
 Crashes (SIGKILL of a writer process), corruption and bad files, fuzzing the header parser,
 a full disk (a real size-limited tmpfs), two processes on one folder, churn (RSS, open files,
@@ -452,7 +452,7 @@ def test_trust_family_through_the_cli(tmp_path):
     and every part really tried (a call that never reached its hostile server, or a forged-value
     check whose control, the same forgeries against a store without a secret, serves nothing,
     would prove nothing)."""
-    from kvstore.bench import redis_local
+    from kvstore.bench.common import redis_local
 
     if not redis_local.available():
         pytest.skip("redis-server is not on PATH")

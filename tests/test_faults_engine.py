@@ -3,7 +3,7 @@
 Every way a load can fail is injected after the store is filled, with the DRAM tier on and off,
 in vLLM's in-process mode and with its multiprocess executor (the worker in its own process,
 the store reached over the RPC socket); each fault is followed through 8 more requests of three
-agent sessions (bench/faults_engine.py). Each must give vLLM's own prefix-cache output, the last
+agent sessions (bench/faults/engine_driver.py). Each must give vLLM's own prefix-cache output, the last
 one must be a full kvstore hit again (the one before it, the same prompt, may be the first to
 meet a damaged file whose block the follow-ups found in DRAM), and no block left in the store may
 differ from the clean run's block under the same key. The payload-damage case failed on the code before this test
@@ -34,7 +34,7 @@ def _run(args: list[str], env: dict | None = None, timeout: int = 900) -> dict:
     e = dict(os.environ)
     e.update(ENV)
     e.update(env or {})
-    p = subprocess.run([sys.executable, "-m", "kvstore.bench.faults_engine", *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "kvstore.bench.faults.engine_driver", *args], capture_output=True, text=True,
                        timeout=timeout, env=e, cwd=ROOT)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, (p.stdout[-2000:], p.stderr[-6000:])
@@ -90,7 +90,7 @@ def test_fault_matrix(tiny_model, reference, tmp_path, dram, mp):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_gemma3
+    from kvstore.bench.common.tiny_model import build_tiny_gemma3
 
     return build_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), window=64)
 

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from kvstore.bench.ports import free_port
+from kvstore.bench.common.ports import free_port
 from kvstore.config import ConfigError, from_dict
 from kvstore.store import KVStore, machine
 from kvstore.store.metrics import StoreMetrics

@@ -654,7 +654,7 @@ def test_the_daemon_exports_each_engines_hit_rate_and_the_hosts(tmp_path):
     """``kvstore stats --url`` on the daemon's port: the host's readout (its tiers, every engine's
     tokens summed), then one line per engine, from the counters each engine reports; an engine that
     detached keeps its figures."""
-    from kvstore.bench.ports import free_port
+    from kvstore.bench.common.ports import free_port
     from kvstore.offload.metrics import OffloadMetrics, RequestOutcome
     from kvstore.ops.stats import fetch, render
 

@@ -16,7 +16,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
 from conftest import prompt  # noqa: E402
-from kvstore.bench.ports import free_port  # noqa: E402
+from kvstore.bench.common.ports import free_port  # noqa: E402
 from kvstore.ops.stats import fetch  # noqa: E402
 from node_servers import Served  # noqa: E402
 from test_vllm_remote import BS, _drive, _own_prefix_hit  # noqa: E402

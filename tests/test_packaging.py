@@ -86,7 +86,7 @@ def test_the_wheel_installs_beside_vllm_and_works_from_anywhere(tmp_path):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         eps = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert {"kvstore/configs/agent.yaml", "kvstore/configs/default.yaml"} <= names
-    assert "kvstore/connectors/vllm/__init__.py" in names and "kvstore/bench/tiny_model.py" in names
+    assert "kvstore/connectors/vllm/__init__.py" in names and "kvstore/bench/common/tiny_model.py" in names
     assert "kvstore = kvstore.connectors.vllm:register" in eps and "kvstore = kvstore.ops.cli:main" in eps
     requires = [x for x in meta.splitlines() if x.startswith("Requires-Dist:")]
     assert not any("aiofiles" in x for x in requires) and "Requires-Dist: torch>=" in meta

@@ -1,4 +1,4 @@
-"""The benches' and tests' own ports (bench/ports.py) come from below the kernel's ephemeral range,
+"""The benches' and tests' own ports (bench/common/ports.py) come from below the kernel's ephemeral range,
 where no ``bind(0)`` elsewhere (vLLM's own port picks, outgoing connections) can take them between
 the pick and the server's bind."""
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kvstore.bench import ports
+from kvstore.bench.common import ports
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvstore.bench.redis_local import free_port, launch, redis_server_path, server_argv
+from kvstore.bench.common.redis_local import free_port, launch, redis_server_path, server_argv
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint
 from kvstore.store import KVStore

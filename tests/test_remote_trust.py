@@ -27,7 +27,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvstore.bench.fault_families import bombs
+from kvstore.bench.faults.families import bombs
 from kvstore.tiers import fileformat as ff
 from kvstore.config import ConfigError, from_dict
 from kvstore.keys import ModelFingerprint

@@ -1,4 +1,4 @@
-"""The reference router (bench/router.py, issue 32) on vLLM's own event types: its index follows
+"""The reference router (bench/route/router.py, issue 32) on vLLM's own event types: its index follows
 BlockStored/BlockRemoved per engine and medium, a prefix is scored with llm-d's weights, and it
 falls back to the least-loaded engine. The whole bench (engines, events, Redis): ``kvstore bench
 route``, results in docs/routing.md."""
@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 
-from kvstore.bench.router import Router  # noqa: E402
+from kvstore.bench.route.router import Router  # noqa: E402
 
 BS = 4
 

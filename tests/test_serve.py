@@ -53,7 +53,7 @@ DRAIN_S = 30  # --shutdown-timeout of run 1
 HEALTH_TIMEOUT_S = float(os.environ.get("KVSTORE_TEST_SERVE_TIMEOUT", "240"))  # launch -> /health 200
 
 
-from kvstore.bench.ports import free_ports  # noqa: E402
+from kvstore.bench.common.ports import free_ports  # noqa: E402
 
 
 class Server:

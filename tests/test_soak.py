@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from kvstore.bench.soak import _phases
-from kvstore.bench.soak_workload import Spec, Traffic
+from kvstore.bench.soak.workload import Spec, Traffic
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

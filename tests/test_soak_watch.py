@@ -1,4 +1,4 @@
-"""bench/soak_watch.py against the real sources: /proc of this process and its children, a real
+"""bench/soak/watch.py against the real sources: /proc of this process and its children, a real
 folder, a real redis-server, a real Prometheus endpoint; the growth judgement on known series; the
 plot written."""
 
@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.bench import soak_watch as sw
-from kvstore.bench.ports import free_port
+from kvstore.bench.soak import watch as sw
+from kvstore.bench.common.ports import free_port
 from redis_servers import redis_single  # noqa: F401 (fixture)
 
 FLOOR = {"rss_mb": 64, "threads": 4, "fds": 16, "files": 64, "mb": 64, "keys": 256, "blocks": 64}

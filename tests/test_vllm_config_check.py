@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_llama
+    from kvstore.bench.common.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"), hidden=128, layers=2)
 

@@ -19,7 +19,7 @@ from conftest import in_process_vllm  # noqa: E402
 
 vllm = in_process_vllm()
 
-from kvstore.bench.engine import Engine as BenchEngine, connector_config, kv_transfer  # noqa: E402
+from kvstore.bench.common.engine import Engine as BenchEngine, connector_config, kv_transfer  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from conftest import prompt  # noqa: E402
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 @pytest.fixture(scope="module")
 def tiny_model_b(tmp_path_factory):
     """Same shapes, other weights: a different model fingerprint (other name)."""
-    from kvstore.bench.tiny_model import build_tiny_llama
+    from kvstore.bench.common.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-b")), hidden=256, layers=4, seed=1)
 

@@ -20,7 +20,7 @@ from conftest import in_process_vllm  # noqa: E402
 
 vllm = in_process_vllm()
 
-from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore.bench.common.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from conftest import prompt  # noqa: E402
 
@@ -30,7 +30,7 @@ BS = 32
 NVME_TTL = 6.0
 
 
-from kvstore.bench.ports import free_port as _free_port  # noqa: E402
+from kvstore.bench.common.ports import free_port as _free_port  # noqa: E402
 
 
 class Subscriber:
@@ -213,7 +213,7 @@ def test_events_cross_processes_with_two_ranks(tiny_model, tmp_path, monkeypatch
 def test_events_of_a_hybrid_model(tmp_path):
     """A Gemma-3 style model (a sliding-window group and a full-attention group): kvstore's blocks
     carry each group's index, and every one is a block vLLM's own GPU events named in that group."""
-    from kvstore.bench.tiny_model import build_tiny_gemma3
+    from kvstore.bench.common.tiny_model import build_tiny_gemma3
 
     model = build_tiny_gemma3(str(tmp_path / "gemma3"), window=64)
     port = _free_port()

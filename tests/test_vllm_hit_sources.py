@@ -11,7 +11,7 @@ from conftest import in_process_vllm  # noqa: E402
 
 vllm = in_process_vllm()
 
-from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore.bench.common.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from conftest import prompt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -50,7 +50,7 @@ def test_hits_by_source(tiny_model, tmp_path):
 def test_hits_from_redis_are_external(tiny_model, tmp_path):
     """A second engine (its own empty DRAM and NVMe) finds the first engine's blocks in the shared
     Redis tier: vLLM counts them as ``external_unspecified`` (its name for a remote store)."""
-    from kvstore.bench import redis_local
+    from kvstore.bench.common import redis_local
 
     p1 = prompt(4 * BS + 10, 3)
     with redis_local.start() as r:

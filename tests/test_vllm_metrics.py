@@ -11,7 +11,7 @@ from conftest import in_process_vllm  # noqa: E402
 
 vllm = in_process_vllm()
 
-from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore.bench.common.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from conftest import prompt  # noqa: E402
 

@@ -13,7 +13,7 @@ from conftest import in_process_vllm  # noqa: E402
 
 vllm = in_process_vllm()
 
-from kvstore.bench.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore.bench.common.engine import Engine, connector_config, kv_transfer  # noqa: E402
 from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from kvstore.trace import read_trace  # noqa: E402

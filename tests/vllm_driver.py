@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 def main() -> None:
     job = json.loads(sys.argv[1])
-    from kvstore.bench.engine import Engine, connector_config, kv_transfer
+    from kvstore.bench.common.engine import Engine, connector_config, kv_transfer
 
     extra = connector_config(job["store"], dram_gb=job.get("dram_gb", 0.05), nvme_gb=job.get("nvme_gb", 1),
                              remote=job.get("remote"))

@@ -14,7 +14,7 @@ TP > 1 alike) and are published with vLLM's own events by the scheduler (``take_
   LoRA, extra keys (``generate_block_hash_extra_keys`` -> ``to_event_extra_keys``) and the KV cache
   group. They are built on the scheduler (:func:`block_metas`, only with events on) and kept by
   the store, in each block file too (a restart announces what the scan found).
-* Cost (``python -m kvstore.bench.events_cost on|off``, tiny model, 8 requests x 640 prompt + 64
+* Cost (``python -m kvstore.bench.route.events_cost on|off``, tiny model, 8 requests x 640 prompt + 64
   output tokens, DRAM + NVMe write-through so both tiers announce every block, 195 steps, busy
   2-core VM, 2026-11-24): naming the stored blocks in ``build_connector_meta`` +12 to +19 us a step,
   ``take_events`` 1 us (the scheduler's thread: 0.2 % of the mean 9.5-9.9 ms step); draining the

@@ -103,7 +103,7 @@ class QuantCodec(Codec):
         else:
             # fp8: torch's e4m3 -> float cast runs ~1 GB/s on CPU; moving the bits into a float16
             # (sign; exponent and mantissa shifted into place) gives the same value times 2**-8,
-            # exactly, for every finite code, subnormals included, at ~4x the speed (bench/codec_speed.py)
+            # exactly, for every finite code, subnormals included, at ~4x the speed (bench/tiers/codec_speed.py)
             u = s[self.scale_bytes:].view(self.n_groups, self.group).to(torch.int16)
             mag = u & 0x7F
             if bool((mag == 0x7F).any()):  # e4m3's NaN codes: the encoder never writes them

@@ -4,7 +4,7 @@ A request is a **replay** when its exact prompt was seen before by this schedule
 model fingerprint, every prompt token (the full blocks *and* the partial last block), the same
 extra keys (LoRA, cache salt) and multimodal inputs. Anything else that hits is **genuine**
 reuse: a new prompt sharing a stored prefix. This is the benchmark's and the tuner's split
-(``bench/agent.py``, ``kvstore/tune/trace_memory.py``: the same block-key list seen before), made
+(``bench/agent/``, ``kvstore/tune/trace_memory.py``: the same block-key list seen before), made
 exact where the engine knows more than a trace does (the tokens after the last full block).
 
 A prompt is named by a 64-bit digest: the chain key of its last full block (which hashes the

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 GATHER_CHUNK = 64  # blocks per gather call of an async store (a sync load waits at most one)
 # The grid of an async store's gather, which runs on a side stream beside the forward pass: the
 # copy is bound by the PCIe link, and its default grid (8 blocks per SM) takes SMs from the engine's
-# kernels. On an H200 (bench/gpu_tax.py, 2 MiB blocks, 2,048-token prefills, 8 rounds): the engine
+# kernels. On an H200 (bench/copy/gpu_tax.py, 2 MiB blocks, 2,048-token prefills, 8 rounds): the engine
 # kept 0.925 of its speed (median; worst round 0.892) with the default grid, 0.947 (0.929) with 16
 # blocks, 0.928 (0.814) with 64, saving after the step's host read (bench/results/gpu_box_h200.md).
 SIDE_GATHER_CTAS = 16

@@ -1,1 +1,0 @@
-"""The fault families of ``kvstore bench faults`` (bench/faults.py), one module each."""

@@ -1,0 +1,1 @@
+"""The fault families of ``kvstore bench faults`` (bench/faults/), one module each."""
