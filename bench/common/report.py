@@ -45,12 +45,12 @@ class Figures:
         os.makedirs(folder, exist_ok=True)
         self.plt, self.folder, self.paths = plt, folder, []
 
-    def save(self, fig, name: str, layout: bool = True) -> str:
+    def save(self, fig, name: str, layout: bool = True, dpi: int = 110) -> str:
         """``layout=False``: the caller laid the figure out (e.g. room left for a legend below)."""
         if layout:
             fig.tight_layout()
         path = os.path.join(self.folder, name)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=dpi)
         self.plt.close(fig)
         self.paths.append(path)
         return path

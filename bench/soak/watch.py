@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvstore.bench.common.report import Figures
+
 MIN_FIT = 5  # fewer samples in the fitted window say nothing about a trend
 MB = 1 << 20
 
@@ -254,10 +256,8 @@ def hit_rate(track: Track, *, window: int = 5) -> dict[str, tuple[np.ndarray, np
 def plot(track: Track, path: str, *, marks: list[tuple[float, str]] = (), title: str = "") -> None:
     """One PNG: a panel per resource kind (what the track has of it), fault times as labelled
     vertical lines on every panel, time in minutes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    figs = Figures(os.path.dirname(path) or ".")
+    plt = figs.plt
 
     names = track.names()
     pick = lambda *pred: [n for n in names if any(p(n) for p in pred)]  # noqa: E731
@@ -296,6 +296,5 @@ def plot(track: Track, path: str, *, marks: list[tuple[float, str]] = (), title:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97) if title else None)  # room for the title above the panels
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    figs.save(fig, os.path.basename(path), layout=False, dpi=100)
 
