@@ -54,3 +54,13 @@ class Figures:
         self.plt.close(fig)
         self.paths.append(path)
         return path
+
+
+def write_outputs(folder: str, name: str, data: dict, markdown: str) -> None:
+    """``folder/NAME.json`` (``data``, indented) and ``folder/NAME.md``, the folder made: the pair a
+    device run leaves for a person (bench/copy/gpu_bench.py, gpu_native.py, gpu_tax.py)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
+        f.write(json.dumps(data, indent=1))
+    with open(os.path.join(folder, f"{name}.md"), "w") as f:
+        f.write(markdown)

@@ -19,7 +19,6 @@ block is 2 MiB.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.bench.copy.gpu_report import markdown
+from kvstore.bench.copy.gpu_report import markdown, write_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,12 +357,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{cu.runtime_info()}; {a.layers} layers x {a.heads} KV heads x {a.head_size} ({a.dtype})")
     errors: list = []
 
-    def flush() -> None:
-        md = markdown(rows, header) + "".join(f"\nFAILED {e}\n" for e in errors)
-        (out / "gpu_bench.json").write_text(json.dumps({"config": vars(a), "rows": rows, "errors": errors,
-                                                        "device": torch.cuda.get_device_name(0)}, indent=1))
-        (out / "gpu_bench.md").write_text(md)
-        return md
+    def flush() -> str:
+        return write_run(out, "gpu_bench", a, rows, errors, markdown(rows, header), torch.cuda.get_device_name(0))
 
     for part in (bench_slab, bench_dma, bench_copies):
         try:

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from kvstore.bench.copy.gpu_report import write_run
 
 GEOMETRIES = {"2MiB": (32, 8, 128), "64KiB": (8, 1, 128)}  # layers, KV heads, head size (16 tokens, bf16)
 SRC_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
@@ -374,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, errors = [], []
 
     def flush() -> None:
-        (out / "gpu_native.json").write_text(json.dumps({"config": vars(a), "rows": rows, "errors": errors,
-                                                         "device": torch.cuda.get_device_name(0)}, indent=1))
-        (out / "gpu_native.md").write_text(markdown(rows, header) + "".join(f"\nFAILED {e}\n" for e in errors))
+        write_run(out, "gpu_native", a, rows, errors, markdown(rows, header), torch.cuda.get_device_name(0))
 
     if a.clock == "on":
         try:

@@ -1,9 +1,11 @@
-"""The markdown report of ``bench/copy/gpu_bench.py``: copy kernels vs cudaMemcpyAsync, the DRAM slab,
-mode=dma."""
+"""The reports of the GPU copy checks: ``bench/copy/gpu_bench.py``'s markdown (copy kernels vs
+cudaMemcpyAsync, the DRAM slab, mode=dma) and the files gpu_bench.py and gpu_native.py leave."""
 
 from __future__ import annotations
 
 import statistics
+
+from kvstore.bench.common.report import write_outputs
 
 
 def markdown(rows: list, header: str) -> str:
@@ -45,3 +47,12 @@ def markdown(rows: list, header: str) -> str:
         out += [f"| {r['layout']} | {r['op']} | {r['run_bytes']} | {r['copies']} | {r['gbps']} | "
                 f"{r['limit_gbps']} | {r['ratio']} | {r['us_per_copy']} |" for r in dm]
     return "\n".join(out) + "\n"
+
+
+def write_run(out: str, name: str, a, rows: list, errors: list, md: str, device: str) -> str:
+    """OUT/NAME.json (the flags, the rows, the errors, the device) and OUT/NAME.md (``md`` and a
+    FAILED line per error), rewritten after each part of gpu_bench.py and gpu_native.py so a run
+    cut short keeps what it measured; returns the markdown written."""
+    md += "".join(f"\nFAILED {e}\n" for e in errors)
+    write_outputs(out, name, {"config": vars(a), "rows": rows, "errors": errors, "device": device}, md)
+    return md

@@ -29,7 +29,6 @@ of a slot).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kvstore import kvcopy
+from kvstore.bench.common.report import write_outputs
 from kvstore.config import from_dict
 from kvstore.keys import ModelFingerprint, chain_keys
 from kvstore.offload import StepRunner, StepPlan, StorePlan, acquire_shared, release_shared
@@ -213,10 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join(lines) + "\n"
     print(md)
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_tax.json").write_text(json.dumps(res, indent=1))
-        (out / "gpu_tax.md").write_text(md)
+        write_outputs(a.out, "gpu_tax", res, md)
     for d in designs:
         movers[d].close()
         release_shared(shareds[d])
