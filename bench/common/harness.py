@@ -2,14 +2,17 @@
 
 A mode is a module whose docstring is its ``--help`` text, with ``add_args(parser)`` and
 ``run(args) -> dict`` (``kvstore/ops/cli.py`` finds it through the ``kvstore.bench`` entry
-points, builds the parser and calls ``run``; a result with ``problems`` exits 1). What every mode shares lives here: ``main`` (the same parser
-outside the CLI), the ``--json`` / ``--plots`` options and what they write (:func:`report`),
-the YAML of a ``--config`` (:func:`read_yaml`) and the progress bar (:class:`Progress`).
+points, builds the parser and calls ``run``; a result with ``problems`` exits 1). What every mode
+shares lives here: ``main`` (the same parser outside the CLI), the ``--json`` / ``--plots``
+options and what they write (:func:`report`), or ``--json`` as a switch that prints the result as
+JSON (:func:`show`), the YAML of a ``--config`` (:func:`read_yaml`) and the progress bar
+(:class:`Progress`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +63,18 @@ def report(a: argparse.Namespace, data: dict, render: Callable[[dict], str],
     write_json(getattr(a, "json", None), data)
     if plot is not None and getattr(a, "plots", None):
         plot(data, a.plots)
+    return data
+
+
+def json_switch(p: argparse.ArgumentParser, help: str) -> None:
+    """``--json`` as a switch, for the modes whose files are their own (``bench route``, ``bench
+    soak``): the result printed as JSON instead of the tables (:func:`show`)."""
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def show(a: argparse.Namespace, data: dict, render: Callable[[dict], str]) -> dict:
+    """Print ``data`` as JSON under :func:`json_switch`'s ``--json``, else its tables; returns ``data``."""
+    print(json.dumps(data, indent=1) if a.json else render(data), flush=True)
     return data
 
 

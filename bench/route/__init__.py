@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import queue
 import statistics
@@ -38,6 +37,8 @@ import time
 from collections import deque
 
 import numpy as np
+
+from kvstore.bench.common import harness
 
 BLOCK_KIB = 128  # the tiny model's block of 32 tokens: 4 layers x K,V x 2 heads x 64 x fp32
 
@@ -57,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-blocks", type=int, default=64, help="vLLM's own KV cache per engine, in blocks")
     p.add_argument("--dram-blocks", type=int, default=160, help="kvstore's DRAM tier per engine, in blocks")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print JSON instead of the Markdown table")
+    harness.json_switch(p, "print JSON instead of the Markdown table")
 
 
 def _engine_main(idx: int, model: str, store: str | None, redis_url: str | None, port: int, a: dict, inq, outq) -> None:
@@ -342,11 +343,8 @@ def run(a: argparse.Namespace) -> dict:
             else:
                 rows.append(run_one(a, model, policy, None))
     res = {"rows": rows}
-    print(json.dumps(res, indent=1) if a.json else report(rows, a), flush=True)
-    return res
+    return harness.show(a, res, lambda r: report(r["rows"], a))
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    return run(p.parse_args(argv))
+    return harness.main(__name__, argv)

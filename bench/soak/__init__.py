@@ -39,6 +39,8 @@ import threading
 import time
 from collections import Counter
 
+from kvstore.bench.common import harness
+
 QUIET_SHARE = 0.15
 SETTLE_S = 30.0  # a fault's phase lasts this long after it ended (caches refill, a restart warms up)
 RECOVER_S = 120.0  # a fault after which nothing is answered right this long is not survived
@@ -50,11 +52,9 @@ PROCESSES = ("server", "engine", "daemon")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from kvstore.bench.common.harness import folder
-
     p.add_argument("--minutes", type=float, default=10.0, help="the run's length (longer if the faults need it)")
-    p.add_argument("--out", type=folder, default=None, help="folder for soak.json, soak.png and the logs "
-                   "(default: a new temporary folder)")
+    p.add_argument("--out", type=harness.folder, default=None, help="folder for soak.json, soak.png and the "
+                   "logs (default: a new temporary folder)")
     p.add_argument("--node", action="store_true", help="the engine attaches to a kvstore serve daemon")
     p.add_argument("--redis", choices=("on", "off"), default="on", help="the shared Redis tier")
     p.add_argument("--faults", default="all", help="comma-separated (engine_restart, redis_kill, nvme_delete, "
@@ -73,7 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "over one run length (projected from the second half's slope)")
     p.add_argument("--ttft-ratio", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+    harness.json_switch(p, "print the JSON instead of the tables")
 
 
 class Log:
@@ -295,8 +295,7 @@ def run(a: argparse.Namespace) -> dict:
     soak_watch.plot(track, os.path.join(out, "soak.png"), marks=[(f["start"], f["name"]) for f in fault_log],
                     title=f"kvstore bench soak: {end / 60:.0f} min, {len(log.rows)} requests, "
                           f"{res['wrong']} wrong")
-    print(json.dumps(res, indent=1) if a.json else report(res), flush=True)
-    return res
+    return harness.show(a, res, report)
 
 
 def _result(a, spec, log: Log, track, fault_log: list[dict], names: list[str], end: float, clean: bool) -> dict:
@@ -426,6 +425,4 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    from kvstore.bench.common.harness import main as hmain
-
-    return hmain(__name__, argv)
+    return harness.main(__name__, argv)
