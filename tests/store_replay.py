@@ -4,69 +4,23 @@ matched prefix, ``put`` of the prompt's full blocks. Besides hits and miss reaso
 what was written to NVMe and what admission (``tiers.nvme.admit_after``) turned away. The
 reference the simulator is checked against (tests/test_tune.py, tests/test_admission.py).
 
-Both run the same tier chain (:mod:`kvstore.store.chain`); what this checks is the rest: that the
-simulator drives the chain in the order the store does, and that bytes change nothing.
-The store's background writes (demotions, write-through copies) run on a deferred executor:
-they complete at the end of each call, in the order they started, which is the simulator's
-model of them (on a live store they complete whenever the disk is done)."""
+Both are a :class:`KVStore`; what this checks is the rest: that each medium's stand-in (the
+simulator's tiers, which hold no bytes) counts as the medium does, and that bytes change nothing.
+The store's background writes (demotions, write-through copies) run on the simulator's deferred
+executor (:class:`kvstore.tune.deferred.Deferred`): they complete at the end of each call, in the
+order they started, which is the simulator's model of them (on a live store they complete
+whenever the disk is done)."""
 
 from __future__ import annotations
 
 import tempfile
 from collections import Counter
 
-from concurrent.futures import Executor, Future
-
 import numpy as np
 
 from kvstore.config import StoreConfig
+from kvstore.tune.deferred import Deferred
 from kvstore.tune.trace_memory import Trace
-
-
-class _Deferred(Future):
-    def result(self, timeout=None):
-        if not self.done():  # waited for: it runs now, alone (the others keep their turn)
-            self.ex.run_one(self)
-        return super().result(timeout)
-
-
-class DeferredExecutor(Executor):
-    """``submit`` queues a job, run (in order) at :meth:`run`; a job whose result is asked for
-    runs at once, alone (the store's own batched reads and writes, which it waits for:
-    ``Transfers._map``), as does ``map``."""
-
-    def __init__(self) -> None:
-        self.queue: list = []
-
-    def submit(self, fn, /, *args, **kw):
-        f = _Deferred()
-        f.ex = self
-        self.queue.append((f, fn, args, kw))
-        return f
-
-    def map(self, fn, *its, timeout=None, chunksize=1):
-        return [fn(*a) for a in zip(*its)]
-
-    def run(self) -> None:
-        while self.queue:
-            self._run(*self.queue.pop(0))
-
-    def run_one(self, f) -> None:
-        for i, job in enumerate(self.queue):
-            if job[0] is f:
-                del self.queue[i]
-                self._run(*job)
-                return
-
-    @staticmethod
-    def _run(f, fn, args, kw) -> None:
-        try:
-            Future.set_result(f, fn(*args, **kw))
-        except BaseException as e:  # noqa: BLE001
-            f.set_exception(e)
-
-    def shutdown(self, wait=True, **kw) -> None:
-        self.run()
 
 
 class _Clock:
@@ -97,7 +51,7 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
         hits = Counter()
         miss = Counter()
         prompt = replay_hits = 0
-        io = DeferredExecutor()
+        io = Deferred()
         with KVStore(cfg, block_bytes=block_bytes, fingerprint=fp, clock=clock,
                      metrics=StoreMetrics(port=None), io_executor=io) as store:
             store.wait_ready()  # the simulator has the whole DRAM capacity from the start

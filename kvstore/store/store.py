@@ -103,11 +103,13 @@ class KVStore:
         events: bool = False,
         tier_options: dict[str, dict] | None = None,
         check_memory: bool = True,
+        stand_ins: bool = False,
     ):
         """``tier_options``: per medium, what its tier takes beyond its config section (a node
         daemon's DRAM slab in one memfd it hands to its engines, :mod:`kvstore.node`);
         ``check_memory``: refuse a config asking more memory than this machine has (a node
-        daemon checks its whole budget once, at its start)."""
+        daemon checks its whole budget once, at its start); ``stand_ins``: tiers that hold no
+        bytes, by the same rules (the tuner's replay, :mod:`kvstore.tune.simulate`)."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.config = config or StoreConfig()
@@ -122,7 +124,7 @@ class KVStore:
         try:
             self._tiers = TierSet(self.config, block_bytes=self.block_bytes, fingerprint=fingerprint,
                                   clock=clock, kv_dtype=kv_dtype, group_elems=group_elems, events=events,
-                                  options=tier_options)
+                                  options=tier_options, stand_ins=stand_ins)
         except BaseException:
             self.metrics.close()
             raise
@@ -161,7 +163,9 @@ class KVStore:
         """How many leading ``keys`` are worth loading, and in which tier each one is: the stored
         prefix, cut where loading is slower than recomputing (``held``: leading blocks the
         engine holds itself, never read)."""
-        keys = check_keys(keys)
+        return self._match(check_keys(keys), record, num_tokens, held)
+
+    def _match(self, keys: list[bytes], record: bool, num_tokens: int | None, held: int) -> PrefixMatch:
         tiers = [t.name for t in self.chain.locate(keys)]
         for t in self.chain.shared:
             self.metrics.sync(t)
@@ -183,8 +187,10 @@ class KVStore:
         Never waits for a demotion or a free slot; blocks that found no free slot are written to
         the tier below by this call. ``ttl_s``: a retention hint (see :meth:`begin_store`)."""
         keys = check_keys(keys)
-        ttl_s = check_ttl(ttl_s)
-        rows = rows_of(blocks, len(keys), self.block_bytes, writable=False, name="blocks")
+        return self._put(keys, check_ttl(ttl_s), rows_of(blocks, len(keys), self.block_bytes, writable=False,
+                                                         name="blocks"))
+
+    def _put(self, keys: list[bytes], ttl_s: float | None, rows: list) -> int:
         if self.chain.top is None:
             return 0
         h = self._begin_store(keys, ttl_s, rows)

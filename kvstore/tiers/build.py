@@ -34,14 +34,16 @@ class TierSet:
 
     def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint | bytes,
                  clock: Callable[[], float] = time.time, kv_dtype: str | None = None, group_elems: int | None = None,
-                 events: bool = False, options: dict[str, dict[str, Any]] | None = None):
+                 events: bool = False, options: dict[str, dict[str, Any]] | None = None, stand_ins: bool = False):
         """``options``: per medium name, what its ``open`` takes beyond its section (a node
-        daemon's DRAM slab in a memfd); ``events``: the store keeps KV events."""
+        daemon's DRAM slab in a memfd); ``events``: the store keeps KV events; ``stand_ins``:
+        each medium's stand-in that holds no bytes (the tuner's replay), not the medium."""
         self.tiers: list[Tier] = []
         self.config = config
         self.clock = clock
         self._events = events
         self._options = options or {}
+        self._stand_ins = stand_ins
         self._namespaces: dict[str, bytes] = {}
         self._tmpdir: str | None = None  # a tier's folder when it has no path: removed at close
         self._tmplock = -1  # its owner lock (kvstore/tiers/nvme/folder.py, make_temp_folder)
@@ -53,8 +55,9 @@ class TierSet:
                 self._namespace(s.name, getattr(self.section(s), "codec", "none"))
         try:
             for s in SPECS:
-                if self.section(s).enabled:
-                    tier = s.open(self, self.section(s))
+                open_ = s.stand_in if stand_ins else s.open
+                if open_ is not None and self.section(s).enabled:
+                    tier = open_(self, self.section(s))
                     if tier is not None:
                         self.tiers.append(tier)
         except BaseException:
@@ -70,7 +73,8 @@ class TierSet:
 
     def has_local_below(self, spec: TierSpec) -> bool:
         """Is a local tier enabled below ``spec``'s (where its victims are written down)?"""
-        return any(s.local and s.order > spec.order and self.section(s).enabled for s in SPECS)
+        return any(s.local and s.order > spec.order and self.section(s).enabled
+                   and (s.stand_in is not None or not self._stand_ins) for s in SPECS)
 
     def announced(self, spec: TierSpec) -> bool:
         """Does the store announce this tier's blocks on the KV-event stream?"""

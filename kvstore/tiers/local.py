@@ -25,12 +25,18 @@ class LocalTier(Tier):
 
 
     def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
-                 clock: Callable[[], float] = time.time, entry_bytes: int | None = None):
+                 clock: Callable[[], float] = time.time, entry_bytes: int | None = None,
+                 ttl_shared_s: float | None = None, write_through: bool = False, admit_after: int = 0):
+        """``ttl_shared_s``: the idle TTL of blocks two sessions hit (None: ``ttl_s``);
+        ``write_through``: every block stored above is copied here at once (else victims only);
+        ``admit_after``: a block is written here once this many requests asked for it."""
         self.block_bytes = int(block_bytes)
+        self.write_through = bool(write_through)
+        self.admit_after = int(admit_after)
         # what one block costs this medium (padding, header): the unit of capacity accounting
         self.entry_bytes = int(entry_bytes or block_bytes)
         self.clock = clock
-        self.index = TierIndex(capacity_bytes, ttl_s, make_policy(policy))
+        self.index = TierIndex(capacity_bytes, ttl_s, make_policy(policy), ttl_shared_s=ttl_shared_s)
         self.lock = threading.RLock()
         self.stats = {"evicted": 0, "expired": 0, "corrupt": 0, "write_failed": 0}
         self.corrupt_reasons: dict[str, int] = {}

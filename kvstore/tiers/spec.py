@@ -29,3 +29,6 @@ class TierSpec:
     # its section -> what this machine cannot give it (ConfigErrors, checked at start-up and by
     # ``kvstore config``; never by the config's own validation: the tuner builds configs for others)
     check: Callable[[Any], list] | None = None
+    # (the tier set, its section) -> the tuner's stand-in: a tier of the same rules that holds no
+    # bytes (kvstore.tiers.nobytes), or None (no room); None here: the tuner leaves the medium out
+    stand_in: Callable[[Any, Any], Any] | None = None

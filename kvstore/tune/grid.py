@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvstore.config import GiB
+from kvstore.config import StoreConfig, from_dict
 from kvstore.tune.simulate import Simulator, per_hour
 from kvstore.tune.trace_memory import Trace
 
@@ -68,12 +68,15 @@ def tiers_of(s: Setting, c: Common) -> dict:
                      "admit_after": full_setting(s)[4]}}
 
 
+def config_of(s: Setting, c: Common) -> StoreConfig:
+    """The store config a setting stands for (the tiers the tuner searches, at their settings)."""
+    t = tiers_of(s, c)
+    t["nvme"] = {**t["nvme"], "write_mode": c.write_mode, "header": c.nvme_header}
+    return from_dict({"tiers": t})
+
+
 def make_sim(s: Setting, c: Common, **kw) -> Simulator:
-    return Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB),
-                     dram_ttl=s[1], nvme_ttl=s[3], dram_ttl_shared=c.dram_ttl_shared,
-                     nvme_ttl_shared=c.nvme_ttl_shared, dram_policy=c.dram_policy, nvme_policy=c.nvme_policy,
-                     write_mode=c.write_mode, nvme_header=c.nvme_header, dram_headroom=c.dram_headroom,
-                     admit_after=full_setting(s)[4], **kw)
+    return Simulator(config_of(s, c), c.block_bytes, **kw)
 
 
 def run_point(trace: Trace, s: Setting, c: Common, rate: float = 1.0) -> dict:
@@ -115,8 +118,8 @@ def _unscale(r: dict, f: float) -> None:
 
 
 def _set_capacities(r: dict, s: Setting, c: Common) -> None:
-    sim = Simulator(block_bytes=c.block_bytes, dram_bytes=int(s[0] * GiB), nvme_bytes=int(s[2] * GiB),
-                    dram_headroom=c.dram_headroom)
+    """The full-size capacities (a sampled replay ran with them scaled down)."""
+    sim = make_sim(s, c, record_samples=False)
     r["bytes_held"]["dram"]["capacity"] = sim.D.capacity if sim.D is not None else 0
     r["bytes_held"]["nvme"]["capacity"] = sim.N.capacity if sim.N is not None else 0
 

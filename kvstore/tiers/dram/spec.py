@@ -42,12 +42,27 @@ def open_tier(ts, cfg: DramConfig):
     opts = ts.options(SPEC.name)
     tier = DramTier(capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=ts.block_bytes,
                     clock=ts.clock, pin=cfg.pin_memory, headroom=cfg.headroom_blocks if ts.has_local_below(SPEC) else 0,
-                    shared=opts.get("shared", False), prefault_bytes=opts.get("prefault_bytes"))
+                    shared=opts.get("shared", False), prefault_bytes=opts.get("prefault_bytes"), ttl_shared_s=cfg.ttl_shared_s)
     if tier.pool.n_slots == 0:  # a pool without a slot is no tier
         tier.close()
         return None
-    tier.index.ttl_shared = cfg.ttl_shared_s
     return tier
 
 
-SPEC = TierSpec(name="dram", order=100, config=DramConfig, events=DramEvents, open=open_tier, hit_source="HOST")
+def stand_in(ts, cfg: DramConfig):
+    """Its slots and headroom as :class:`DramTier` counts them (None when it has no slot)."""
+    from kvstore.tiers.dram.tier import headroom_slots
+    from kvstore.tiers.fileformat import round_up
+    from kvstore.tiers.nobytes import NoBytesTier
+
+    slot = round_up(ts.block_bytes)
+    n = cfg.capacity_bytes // slot
+    if n == 0:
+        return None
+    held = headroom_slots(n, cfg.headroom_blocks, has_lower=ts.has_local_below(SPEC))
+    return NoBytesTier(SPEC.name, capacity_bytes=(n - held) * slot, ttl_s=cfg.ttl_s, ttl_shared_s=cfg.ttl_shared_s,
+                       policy=cfg.policy, entry_bytes=slot, clock=ts.clock, slots=n)
+
+
+SPEC = TierSpec(name="dram", order=100, config=DramConfig, events=DramEvents, open=open_tier, hit_source="HOST",
+                stand_in=stand_in)

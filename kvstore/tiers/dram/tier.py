@@ -37,7 +37,8 @@ class DramTier(LocalTier):
 
     def __init__(self, *, capacity_bytes: int, ttl_s: float | None, policy: str, block_bytes: int,
                  clock: Callable[[], float] = time.time, pin: bool | str = "auto", chunk_bytes: int = CHUNK_BYTES,
-                 headroom: int | str = 0, shared: bool = False, prefault_bytes: int | None = None):
+                 headroom: int | str = 0, shared: bool = False, prefault_bytes: int | None = None,
+                 ttl_shared_s: float | None = None):
         """``shared``: the slab is one memfd a node daemon hands to its engines (``pool.memfd``).
         ``prefault_bytes``: only so much of the slab is pre-faulted (None: all of it); the rest
         takes pages on first touch (a node daemon's model that grows into its budget)."""
@@ -46,8 +47,8 @@ class DramTier(LocalTier):
         n_slots = capacity_bytes // self.slot_bytes
         self.target_capacity_bytes = n_slots * self.slot_bytes  # configured; capacity_bytes: ready now
         # capacity grows with the pool: initial slots below, background chunks in _on_pool_ready
-        super().__init__(capacity_bytes=0, ttl_s=ttl_s, policy=policy,
-                         block_bytes=block_bytes, clock=clock, entry_bytes=self.slot_bytes)
+        super().__init__(capacity_bytes=0, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes, clock=clock,
+                         entry_bytes=self.slot_bytes, ttl_shared_s=ttl_shared_s)
         self._closed = False
         # slots the index never fills: victims hold theirs until written down (placement.py)
         self.headroom = headroom_slots(n_slots, headroom)

@@ -44,14 +44,24 @@ def open_tier(ts, cfg: NvmeConfig):
     from kvstore.tiers.nvme import NvmeTier
 
     path = cfg.path if cfg.path is not None else ts.temporary_folder()
-    tier = NvmeTier(path=path, namespace=ts.namespace(SPEC.name), capacity_bytes=cfg.capacity_bytes,
+    return NvmeTier(path=path, namespace=ts.namespace(SPEC.name), capacity_bytes=cfg.capacity_bytes,
                     ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=ts.block_bytes, codec_id=CODEC_IDS[cfg.codec],
                     o_direct=cfg.o_direct, header=cfg.header, clock=ts.clock, codec=ts.codec(cfg), engine=cfg.engine,
-                    engine_depth=cfg.engine_depth, io_threads=cfg.io_threads, keep_meta=ts.announced(SPEC))
-    tier.index.ttl_shared = cfg.ttl_shared_s
-    tier.write_through = cfg.write_mode == "write_through"
-    tier.admit_after = cfg.admit_after
-    return tier
+                    engine_depth=cfg.engine_depth, io_threads=cfg.io_threads, keep_meta=ts.announced(SPEC),
+                    ttl_shared_s=cfg.ttl_shared_s, write_through=cfg.write_mode == "write_through",
+                    admit_after=cfg.admit_after)
+
+
+def stand_in(ts, cfg: NvmeConfig):
+    """Files of the size :class:`NvmeTier` counts: the block padded to 4 KiB, plus a 4 KiB header
+    when it is inline (``auto`` takes the xattr, where the file system keeps them)."""
+    from kvstore.tiers.fileformat import file_bytes, round_up
+    from kvstore.tiers.nobytes import NoBytesTier
+
+    entry = file_bytes(ts.block_bytes) if cfg.header == "inline" else round_up(ts.block_bytes)
+    return NoBytesTier(SPEC.name, capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s, ttl_shared_s=cfg.ttl_shared_s,
+                       policy=cfg.policy, entry_bytes=entry, clock=ts.clock,
+                       write_through=cfg.write_mode == "write_through", admit_after=cfg.admit_after)
 
 
 def check(cfg: NvmeConfig) -> list:
@@ -61,4 +71,4 @@ def check(cfg: NvmeConfig) -> list:
 
 
 SPEC = TierSpec(name="nvme", order=200, config=NvmeConfig, events=NvmeEvents, open=open_tier, hit_source="DISK",
-                namespaced=True, check=check)
+                namespaced=True, check=check, stand_in=stand_in)

@@ -76,9 +76,11 @@ class NvmeTier(LocalTier):
                  policy: str, block_bytes: int, codec_id: int = 0, o_direct: bool | str = "auto",
                  header: str = "auto", clock: Callable[[], float] = time.time, scan: bool = True,
                  codec: Codec | None = None, pool_files: int | None = None, engine: str = "off",
-                 engine_depth: int | str = "auto", io_threads: int = 4, keep_meta: bool = False):
+                 engine_depth: int | str = "auto", io_threads: int = 4, keep_meta: bool = False,
+                 ttl_shared_s: float | None = None, write_through: bool = False, admit_after: int = 0):
         super().__init__(capacity_bytes=capacity_bytes, ttl_s=ttl_s, policy=policy, block_bytes=block_bytes,
-                         clock=clock, entry_bytes=ff.file_bytes(block_bytes))
+                         clock=clock, entry_bytes=ff.file_bytes(block_bytes), ttl_shared_s=ttl_shared_s,
+                         write_through=write_through, admit_after=admit_after)
         self.namespace = bytes(namespace)
         # codec: files hold encoded bytes (payload_len of them); None or "none" = the raw block
         self.codec = codec if codec is not None and codec.name != "none" else None
