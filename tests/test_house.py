@@ -161,7 +161,8 @@ def test_the_store_never_asks_which_tiers_exist():
 
 
 # Where a medium may be named in code (a string equal to its name): its own folder, the registry,
-# and, until the tuner drives the store itself (issue 48, point 3), the tuner's model of DRAM and NVMe
+# and the tuner, whose search is over two media's settings by name (DRAM and NVMe capacity, TTL,
+# admission: its grid, report and YAML); its replay is the store itself over the registry's stand-ins
 MEDIUM_HOMES = ("kvstore/tiers/", "kvstore/tune/")
 
 
