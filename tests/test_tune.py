@@ -299,7 +299,7 @@ def test_store_honors_ttl_shared(clock, tmp_path):
 def test_a_trace_recorded_by_vllm_can_be_tuned(tmp_path):
     pytest.importorskip("vllm")
     import test_vllm_connector as V  # noqa: E402  (sets the vLLM environment for this process)
-    from kvstore.bench.tiny_model import build_tiny_llama
+    from kvstore.bench.common.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(str(tmp_path / "m"), hidden=256, layers=4, seed=0)
     trace = tmp_path / "trace.jsonl"
