@@ -343,3 +343,21 @@ def test_a_store_on_another_host_hits_in_the_shared_folder(tmp_path):
         a.close()
         b.close()
         other.close()
+
+
+def test_kvstore_inspect_reads_a_shared_folder(tmp_path):
+    """``kvstore inspect PATH`` counts a shared folder's blocks as an NVMe folder's; the sweeper's
+    lease beside them is the tier's own bookkeeping, not a bad file."""
+    from kvstore.ops.inspect import inspect_folder, render_folder
+
+    t = tier(tmp_path)
+    try:
+        keys = [one_key(40 + i) for i in range(3)]
+        assert put(t, keys) == [True] * 3
+        assert t.sweeper.round() == 0 and (t.folder / LEASE).exists()  # held while the store runs
+        info = inspect_folder(str(tmp_path))
+    finally:
+        t.close()
+    assert (info["blocks"], info["bad_files"], info["temp_files"]) == (3, 0, 0), info
+    assert list(info["namespaces"]) == [t.folder.name]
+    assert "3 blocks" in render_folder(info)

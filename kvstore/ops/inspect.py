@@ -90,6 +90,8 @@ def inspect_folder(path: str, now: float | None = None) -> dict:
             in_tmp = os.path.basename(root) == "tmp"
             for name in files:
                 p = os.path.join(root, name)
+                if root == ns.path and name.startswith("."):  # the tier's own (a shared folder's sweeper lease)
+                    continue
                 if in_tmp:
                     info["temp_files"] += 1
                     continue
