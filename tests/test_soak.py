@@ -67,7 +67,10 @@ def test_a_three_minute_soak_through_every_fault_answers_right(tmp_path):
     ran = {f["name"] for f in res["faults"] if f["ran"]}
     assert ran == {"engine_restart", "engine_kill", "redis_kill", "redis_flush", "nvme_delete", "nvme_damage",
                    "disk_full"}
-    assert all(f["after_60s"]["ok"] > 0 and f["after_60s"]["wrong"] == 0 for f in res["faults"])
+    # every fault followed by a right answer (within the soak's RECOVER_S, else it is a problem
+    # above) and no wrong one in the minute after it. Not "a right answer within 60 s": on a loaded
+    # machine the engine's restart takes 60-68 s, and a fault that ends just before it gets none
+    assert all(f["recovered_s"] is not None and f["after_60s"]["wrong"] == 0 for f in res["faults"])
     assert res["requests"] > 200 and res["by_kind"].get("chat") and res["by_kind"].get("agent")
     assert sum(v or 0 for v in res["hit_rate"].values()) > 0.05  # the store served through it all (0.16-0.6 here)
     assert (out / "soak.png").stat().st_size > 10_000

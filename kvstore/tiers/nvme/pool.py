@@ -5,7 +5,7 @@ place by later writes instead of a new file per write and an unlink per eviction
 
 On this machine (ext4 mounted with ``discard``, a virtio disk), a new file per block and an
 unlink per victim cost the kernel more than the data: inode allocation, block allocation, and on
-unlink the truncate and the discard of every block (~60 % of a write's time, bench/nvme_profile.py).
+unlink the truncate and the discard of every block (~60 % of a write's time, bench/tiers/nvme_profile.py).
 An overwrite of a file whose blocks are already allocated and written needs none of it.
 
 Safety: a pooled file lives in ``tmp/`` under a name no reader looks up, so it is never served;

@@ -22,7 +22,7 @@ codec) and a bad one is counted by reason and removed. Nothing is followed: a sy
 non-folder where a fan-out folder belongs is counted once and removed, so its keys stay storable.
 One level of 256 folders (4,000 files each at a million blocks): the two levels of 65,536 leaves
 before made a new folder for nearly every block written into a fresh cache and opened two folders
-per block (``python -m kvstore.bench.nvme_profile --block-mib 2``: folder work 420 us of thread
+per block (``python -m kvstore.bench.tiers.nvme_profile --block-mib 2``: folder work 420 us of thread
 time per 2 MiB put, 190-270 after, 19 in a full cache where the 256 exist; 120 per get, 56-59 after). A fresh put's
 wall time did not move (820-880 us a block before, 880-920 after, against an O_DIRECT limit of
 600-630): the write of a new file is what costs there. The scan moves the block files of the
@@ -584,7 +584,7 @@ def auto_depth(file_bytes: int, io_threads: int) -> int:
     at 16 MiB. One thread at depth 8 read as fast as 4 at depth 2, one at depth 32 0.96x: what
     counts is what is in flight in all. Depth 1 was no better than 2 (a thread then opens and hashes
     with nothing in flight). At 256 KiB blocks (auto: 8) every depth from 2 to 16 was within 2 %.
-    ``python -m kvstore.bench.nvme_profile --depths 8,1,2,4`` repeats it."""
+    ``python -m kvstore.bench.tiers.nvme_profile --depths 8,1,2,4`` repeats it."""
     return max(2, min(8, IN_FLIGHT_BYTES // max(1, io_threads * file_bytes)))
 
 
