@@ -66,6 +66,24 @@ def test_tiers_small(tmp_path, capsys):
     assert "| tier | op | codec |" in text and "ratio" in text
 
 
+def test_tiers_sharedfs_beside_the_buffered_and_o_direct_limits_of_its_folder(tmp_path):
+    """The shared-folder tier alone (DRAM and NVMe off): its put and get from 1 and 2 callers, the
+    bytes read back verified, each beside the better of a buffered file per block and O_DIRECT rows
+    measured on the same folder in the same run."""
+    data = tiers.run(_args(tiers, ["--total-mb", "8", "--block-tokens", "16", "--layers", "2", "--concurrency", "1,2",
+                                   "--repeats", "2", "--batch", "4", "--tiers", "sharedfs", "--dir", str(tmp_path)]))
+    rows = data["results"]
+    assert not data["skipped"] and not [e for e in data.get("errors", []) if e]
+    assert {(r["tier"], r["op"], r["concurrency"]) for r in rows} == {
+        ("sharedfs", o, c) for o in ("put", "get") for c in (1, 2)}
+    for r in rows:
+        assert r["verified"] is True and r["gbps"] > 0 and r["limit_gbps"] > 0
+        assert r["limit"].startswith(("buffered", "O_DIRECT", "fsync")), r["limit"]
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"]) and 0 < r["ratio"] < 3.0, r
+        assert r["disk_bytes"] == r["stored_bytes"] == r["blocks"] * (r["block_bytes"] + 4096)  # the files, headers in
+    assert not list(tmp_path.glob("*/shared/kvstore-*"))  # each path's folder removed after it
+
+
 def test_every_caller_has_a_call_when_the_blocks_are_few():
     """32 blocks (512 MB of 16 MiB blocks) in calls of 32 from 4 callers: 4 calls of 8, all 4 callers
     at once (before, one call: one caller working, three idle, beside a limit copying from 4)."""

@@ -18,6 +18,11 @@ before it (so a busy machine slows both sides of the ratio alike):
   up to ``store.flush()`` and read back; its limit is the best of the put's and an O_DIRECT
   overwrite of the same rows in place at the store's I/O parallelism (what a recycled file costs
   the disk: no block allocation);
+* sharedfs put/get (``--tiers sharedfs``: a folder every host mounts, here under ``--dir``): the
+  better of a buffered write/read of the same rows, one new file per block (what a tier that
+  writes a block as one file, then renames it into place, can do at best: no O_DIRECT assumed on a
+  shared file system), and the O_DIRECT rows of the NVMe limit, both at the store's I/O
+  parallelism, on the same folder;
 * remote put/get (``--tiers remote``, Redis or Valkey: ``--redis-url``, else a private
   ``redis-server`` started for the run, ``bench/common/redis_local.py``): a raw pipelined ``SET ... PX``
   then ``GETEX ... PX`` of values of the store's size (block bytes + the 88-byte header, built
@@ -85,7 +90,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default=None, help=f"comma list of caller threads ({d['concurrency']})")
     p.add_argument("--io-threads", type=int, default=None, help=f"NVMe I/O threads ({d['io_threads']})")
     p.add_argument("--repeats", type=int, default=None, help=f"({d['repeats']})")
-    p.add_argument("--tiers", default=None, help=f"comma list of dram, nvme, remote ({d['tiers']})")
+    p.add_argument("--tiers", default=None, help=f"comma list of dram, nvme, remote, sharedfs ({d['tiers']})")
     p.add_argument("--redis-url", default=None, help="remote tier: redis://host:port of the server to measure (its "
                    "password from KVSTORE_REDIS_PASSWORD); default: a private redis-server started for the run")
     p.add_argument("--redis-timeout-ms", type=int, default=None,
@@ -161,9 +166,9 @@ def run(a: argparse.Namespace) -> dict:
     folder = folder_ctx.name
     results: list[dict] = []
     skipped: list[dict] = []
-    bad = [t for t in tiers if t not in ("dram", "nvme", "remote")]
+    bad = [t for t in tiers if t not in ("dram", "nvme", "remote", "sharedfs")]
     if bad:
-        raise SystemExit(f"--tiers: unknown {bad}; known: dram, nvme, remote")
+        raise SystemExit(f"--tiers: unknown {bad}; known: dram, nvme, remote, sharedfs")
     server = None
     a._redis_url, a._redis_password = None, None
     if "remote" in tiers:

@@ -191,3 +191,39 @@ def odirect_rows_s(folder: str, src: np.ndarray, dst: np.ndarray, qd: int = 1,
         os.close(fd)
         os.unlink(path)
     return wt, rt, direct
+
+
+def buffered_files_s(folder: str, src: np.ndarray, dst: np.ndarray, threads: int = 1) -> tuple[float, float]:
+    """A file per row written (create, write, close: buffered, no fsync) then read back whole, from
+    ``threads`` threads: what a tier of one buffered file per block can do at best on this folder
+    (the shared-folder tier writes each block so, then renames it into place). Returns (write s,
+    read s); the reads come from wherever the file system keeps the bytes, as the tier's do."""
+    n, _bb = src.shape
+    sub = os.path.join(folder, f".kvstore-limit-files-{os.getpid()}-{time.perf_counter_ns()}")
+    os.mkdir(sub, 0o700)
+    stripes = _split(n, threads)
+    settle()
+    try:
+        def w(rows):
+            for i in rows:
+                fd = os.open(os.path.join(sub, str(i)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.write(fd, src[i])
+                finally:
+                    os.close(fd)
+
+        def r(rows):
+            for i in rows:
+                fd = os.open(os.path.join(sub, str(i)), os.O_RDONLY)
+                try:
+                    os.preadv(fd, [dst[i]], 0)
+                finally:
+                    os.close(fd)
+
+        wt = run_threads(w, stripes)
+        rt = run_threads(r, stripes)
+    finally:
+        for name in os.listdir(sub):
+            os.unlink(os.path.join(sub, name))
+        os.rmdir(sub)
+    return wt, rt

@@ -1,5 +1,6 @@
-"""DRAM and NVMe rows of ``kvstore bench tiers``: a store with that tier alone, its put and get
-from N callers, beside the limit measured on the same bytes right before (bench/tiers/limits.py)."""
+"""DRAM, NVMe and shared-folder rows of ``kvstore bench tiers``: a store with that tier alone, its put
+and get from N callers, beside the limit measured on the same bytes right before
+(bench/tiers/limits.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import time
 import numpy as np
 
 from kvstore.bench.common import stores
-from kvstore.bench.tiers.limits import memcpy_rows_s, odirect_rows_s, odirect_seq_rows_gbps, settle
+from kvstore.bench.tiers.limits import buffered_files_s, memcpy_rows_s, odirect_rows_s, odirect_seq_rows_gbps, settle
 from kvstore.bench.tiers.ops import (call_batch, cpu_s, fingerprint, nbytes_gb, not_measured, pct, put_then_get,
                                      run_op, timed_get)
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
+from kvstore.tiers.fileformat import file_bytes
 
 
 NVME_PATHS = {"store": None, "blockio": "engine", "noengine": "off"}  # path -> tiers.nvme.engine (None: default)
@@ -30,6 +32,11 @@ def _make_store(tier: str, n_blocks: int, block_bytes: int, folder: str, a, toke
         tiers = {"dram": {"capacity_gb": stores.capacity_gb(n_blocks, block_bytes, "dram", spare_bytes=1 << 20),
                           "ttl_s": None, "codec": codec},
                  "nvme": {"capacity_gb": 0}}
+    elif tier == "sharedfs":  # a folder every host would mount: here the bench's own (room for twice the blocks)
+        os.makedirs(os.path.join(folder, "shared"), mode=0o700, exist_ok=True)
+        tiers = {"dram": {"capacity_gb": 0}, "nvme": {"capacity_gb": 0},
+                 "sharedfs": {"path": os.path.join(folder, "shared"), "capacity_gb": 2 * n_blocks * file_bytes(block_bytes) / 2**30,
+                              "ttl_s": None, "codec": codec, "io_threads": a.io_threads}}
     else:  # codec none: room for the blocks alone (a full-cache put evicts them all); a codec: twice
         xattr = stores.nvme_xattr(folder)
         half = stores.entry_bytes("nvme", block_bytes, xattr=xattr) // 2
@@ -69,7 +76,8 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
     if peer is not None and codec == "none":
         paths.append("lmcache")
     ops = ("put", "get", "put_full") if tier == "nvme" and codec == "none" else ("put", "get")
-    lim = {"put": [], "get": [], "put_seq": [], "get_seq": [], "put_full": [], "put_full_seq": [], "put_full_over": []}
+    lim = {"put": [], "get": [], "put_seq": [], "get_seq": [], "put_full": [], "put_full_seq": [], "put_full_over": [],
+           "put_direct": [], "get_direct": []}
     runs: dict[str, dict] = {p: {**{op: [] for op in ops}, **{op + "_lat": [] for op in ops}, "ok": True, "got": []}
                              for p in paths}
     direct = None
@@ -83,6 +91,13 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
             if c > 1:  # more threads than cores can copy slower than one: the limit is the better
                 lim["put_seq"].append(nbytes_gb(n * bb, memcpy_rows_s(src, out, 1)))
                 lim["get_seq"].append(nbytes_gb(n * bb, memcpy_rows_s(src, out, 1)))
+        elif tier == "sharedfs":  # a buffered file per block, and O_DIRECT, on the same folder
+            w, rd = buffered_files_s(folder, src, out, a.io_threads)
+            lim["put"].append(w)
+            lim["get"].append(rd)
+            w, rd, direct = odirect_rows_s(folder, src, out, a.io_threads)
+            lim["put_direct"].append(w)
+            lim["get_direct"].append(rd)
         else:
             ow: list[float] = []
             w, rd, direct = odirect_rows_s(folder, src, out, a.io_threads, overwrite=ow)
@@ -96,7 +111,7 @@ def measure(tier, codec, c, bt, bb, n, src, out, folder, a, bar, peer=None) -> d
             lim["get_seq"].append(sr)
         for path in paths[r % len(paths):] + paths[: r % len(paths)]:
             run = runs[path]
-            if tier == "nvme":
+            if tier != "dram":
                 settle()  # the files the previous phase removed are freed before this one starts
             try:
                 if path in NVME_PATHS:
@@ -177,6 +192,9 @@ def _limit(tier, op, lim, nbytes, c, direct, io_threads) -> tuple[float, str]:
         return limit, name
     how = "O_DIRECT" if direct else "fsync"
     kind = "read" if op == "get" else "write"
+    if tier == "sharedfs":  # the better of a buffered file per block and O_DIRECT rows, same threads
+        return max((nbytes / statistics.median(lim[op]) / 1e9, f"buffered {kind} files x{io_threads}"),
+                   (nbytes / statistics.median(lim[op + "_direct"]) / 1e9, f"{how} {kind} x{io_threads}"))
     best = [(statistics.median(lim[op + "_seq"]), f"{how} {kind} seq 4M"),
             (nbytes / statistics.median(lim[op]) / 1e9, f"{how} {kind} x{io_threads}")]
     if lim.get(op + "_over"):  # a full cache: the same rows overwritten in place (recycled files)
@@ -192,7 +210,7 @@ def _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r, engine: str |
     store = _make_store(tier, n, bb, folder, a, bt, codec, engine)
     keys = chain_keys(store.root, np.arange(n * bt) % 50000 + r, bt)
     try:
-        tier_obj = store.dram if tier == "dram" else store.nvme
+        tier_obj = store.tier(tier)
         res = put_then_get(store.put, store.get, keys, src, out, a.batch, c, codec)
         if tier == "nvme" and codec == "none" and res["verified"] is not False:
             res.update(_put_full(store, keys, src, out, a.batch, c, codec, r))
@@ -200,15 +218,20 @@ def _store_path(tier, codec, c, bt, bb, n, src, out, folder, a, r, engine: str |
         eng = getattr(tier_obj, "engine", None)
         if tier == "nvme":
             res["engine"] = f"{eng.backend}, depth {eng.depth}" if eng is not None else "off"
-        res["stored"] = tier_obj.index.used  # (a get from one tier alone moves nothing)
         res["on_disk"] = None
+        if tier == "sharedfs":  # no index of its own: the folder is what it holds
+            res["on_disk"] = res["stored"] = _files_bytes(tier_obj.folder)
+            res["none_bytes"] = file_bytes(bb)
+        else:
+            res["stored"] = tier_obj.index.used  # (a get from one tier alone moves nothing)
         if tier == "nvme":
             res["none_bytes"] = tier_obj.file_bytes_for(bb)
             res["on_disk"] = _files_bytes(tier_obj.root)
-        else:
+        elif tier == "dram":
             res["none_bytes"] = tier_obj.index.used // max(1, len(tier_obj.index.entries))
     finally:
-        root = store.nvme.root if store.nvme is not None else None
+        root = store.nvme.root if store.nvme is not None else \
+            (tier_obj.folder if tier == "sharedfs" and tier_obj is not None else None)
         store.close(persist=False)
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)  # the next path starts on an empty folder too
