@@ -237,8 +237,9 @@ class TierChain:
         below = self.below(self.top) if self.top is not None else None
         if below is None:
             return None, []
-        top = self.top
-        return below, [j for j, e in enumerate(entries) if e is None and not top.present_or_writing(keys[j])]
+        idx = [j for j, e in enumerate(entries) if e is None]
+        held = self.top.holds([keys[j] for j in idx]) if idx else []  # one batch: most are stored already (hits)
+        return below, [j for j, h in zip(idx, held) if not h]
 
     def committed(self, t: Tier, entries: Sequence[Entry | None], oks: Sequence[bool], plan: Plan,
                   views: list | None = None, ttl: float | None = None) -> None:
