@@ -78,6 +78,9 @@ def churn(folder, *, ops: int, seed: int = 0, block_bytes: int = 16384, samples:
                     res["churn_examples"].append(traceback.format_exc()[-1500:])
             res["churn_ops"] += 1
             if op % every == 0 or op == ops - 1:
+                # the store's background writes done first: a demotion mid-write holds its file's fd
+                # (and a loaded machine keeps it open longer), which is work in flight, not a leak
+                s.flush()
                 gc.collect()
                 trail.append({"op": op, **proc_sample()})
                 if advance:
