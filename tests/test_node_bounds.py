@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -68,6 +69,27 @@ def test_a_report_that_is_not_a_list_of_samples_is_still_refused_whole():
         with pytest.raises(ValueError, match="report: a list"):
             check_report(bad)
 
+
+
+def test_an_engine_reports_its_counters_without_closing(daemon):
+    """vLLM kills an engine core that takes more than 5 s to stop: its close, and the report the
+    close sends, never come. Stop 53's CI lost an engine's prompt tokens so (each lookup reported at
+    most every REPORT_S, before the request was counted, and the last figures only at the close).
+    The counters reach the daemon within REPORT_S of a change, from the reports' thread."""
+    d, cfg = daemon(timeout_ms=PATIENT_MS)
+    e = engine(cfg, "e")
+    try:
+        assert e.contains_prefix(make_keys(1, seed=3)).num_blocks == 0  # the first lookup starts the reports
+        prompt = Counter("kvstore_engine_prompt_tokens", "", registry=e.metrics.registry)
+        a = attachment(d, "e")
+        for n in (100, 250):  # counted after the lookup, and again with no lookup at all
+            prompt.inc(n - prompt._value.get())
+            _wait(lambda: a.report.get(("kvstore_engine_prompt_tokens_total", ())) == n,
+                  f"{n} prompt tokens never reached the daemon", timeout=metrics.REPORT_S + 10)
+        assert sum(t.name == "kvstore-node-reports" for t in threading.enumerate()) == 1
+    finally:
+        e.close()
+    assert not any(t.name == "kvstore-node-reports" and t.is_alive() for t in threading.enumerate())
 
 # -- a detached engine's label sets grew without bound ---------------------------------------------
 

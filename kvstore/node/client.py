@@ -34,6 +34,10 @@ with their reservation, and :meth:`take_events` reads the daemon's records for t
 any engine. So each engine announces on its own stream the daemon's blocks it can load. The
 reads run on a thread of their own (:class:`_EventReads`, with its own connection), so a slow one
 costs the engine's step at most ``node.timeout_ms`` once, never a backoff of the other calls.
+
+**Reports.** The engine's own counters go to the daemon from a thread of their own
+(:class:`_Reports`), within ``REPORT_S`` of a change and again when the store closes: not from the
+lookup path, and not only at the close, which a killed engine never reaches.
 """
 
 from __future__ import annotations
@@ -222,6 +226,59 @@ def _alive(sock) -> bool:
     return True
 
 
+class _Reports:
+    """This engine's counters (``kvstore_engine_*_total``, the connector's) sent to the daemon on a
+    thread of its own (its own connection), at most every ``REPORT_S`` and only when they changed,
+    as a cast (not waited for; dropped while the daemon is away). Not from the close alone: vLLM
+    kills an engine core that takes more than 5 s to stop (vllm.v1.utils.shutdown), and a loaded
+    2-core CI machine's engine lost its figures so (stop 53: the host's prompt tokens half
+    counted). Started by the first lookup; one thread per engine."""
+
+    def __init__(self, store: "NodeStore") -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.sent: list | None = None  # the samples last sent whole
+
+    def start(self) -> None:
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None and not self.stop.is_set():
+                    self.thread = threading.Thread(target=self._run, name="kvstore-node-reports", daemon=True)
+                    self.thread.start()
+
+    def samples(self) -> list:
+        return [[x.name, dict(x.labels), x.value] for fam in self.store.metrics.registry.collect()
+                for x in fam.samples if x.name.startswith("kvstore_engine_") and x.name.endswith("_total")]
+
+    def send(self, samples: list | None = None) -> bool:
+        """Cast the counters now on this thread's connection: False if they did not go."""
+        samples = self.samples() if samples is None else samples
+        if not samples:
+            return False
+        try:
+            ok = self.store._cast(self.store._link(), ["report!", samples[:MAX_SAMPLES]])
+        except NodeUnavailable:
+            return False
+        if ok:
+            self.sent = samples
+        return ok
+
+    def _run(self) -> None:
+        while not self.stop.wait(REPORT_S):
+            samples = self.samples()
+            if samples != self.sent:
+                self.send(samples)
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.lock:
+            t = self.thread
+        if t is not None and t is not threading.current_thread():
+            t.join(self.store.timeout + 1)  # a send gives up within the store's timeout
+
+
 class NodeStore:
     def __init__(self, config: StoreConfig, *, block_bytes: int, fingerprint: ModelFingerprint,
                  block_tokens: int = 1, name: str = "", events: bool = False, clock=time.monotonic):
@@ -258,7 +315,7 @@ class NodeStore:
         self._prefetch_lock = threading.Lock()
         self._prefetch: ThreadPoolExecutor | None = None
         self._closed = False
-        self._next_report = float("-inf")
+        self._reports = _Reports(self)
         self.counts = {"attached": 0, "failures": 0, "stale_handles": 0, "pending_dropped": 0}
         try:
             self._call("ping")
@@ -505,19 +562,12 @@ class NodeStore:
 
     def _report(self, force: bool = False) -> None:
         """This engine's own counters (kvstore_engine_*, the connector's) to the daemon, which
-        exports them per engine and for the host (kvstore.node.metrics): at most every REPORT_S,
-        not waited for, dropped if it cannot go now."""
-        now = self._clock()
-        if not force and now < self._next_report:
-            return
-        self._next_report = now + REPORT_S
-        samples = [[x.name, dict(x.labels), x.value] for fam in self.metrics.registry.collect() for x in fam.samples
-                   if x.name.startswith("kvstore_engine_") and x.name.endswith("_total")]
-        if samples:
-            try:
-                self._cast(self._link(), ["report!", samples[:MAX_SAMPLES]])
-            except NodeUnavailable:
-                pass
+        exports them per engine and for the host (kvstore.node.metrics): ``force``, sent now on
+        this thread's connection; else the reports' thread is started (:class:`_Reports`)."""
+        if force:
+            self._reports.send()
+        else:
+            self._reports.start()
 
     def prefetch(self, keys: Sequence[bytes]) -> Future:
         keys = check_keys(keys)
@@ -652,6 +702,7 @@ class NodeStore:
     def close(self, persist: bool = True) -> None:
         """Detach: the daemon ends whatever this engine still held; the daemon's store stays."""
         if not self._closed:
+            self._reports.close()
             self._report(force=True)  # its last figures, which the daemon keeps under its name
         with self._lock:
             if self._closed:
