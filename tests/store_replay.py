@@ -1,6 +1,7 @@
 """Replay a trace through a real :class:`kvstore.store.KVStore` (virtual clock, real DRAM pool and
 NVMe files), request by request as the connector drives it: ``contains_prefix``, ``get`` of the
-matched prefix, ``put`` of the prompt's full blocks. Besides hits and miss reasons it reports
+matched prefix, ``put`` of the prompt's full blocks it did not load (the
+connector never offers a loaded block to the store again). Besides hits and miss reasons it reports
 what was written to NVMe and what admission (``tiers.nvme.admit_after``) turned away. The
 reference the simulator is checked against (tests/test_tune.py, tests/test_admission.py).
 
@@ -69,8 +70,8 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
                 if m.num_blocks:
                     store.get(keys[: m.num_blocks], rows, session=f"s{s}")
                     io.run()
-                if keys:
-                    store.put(keys, rows)
+                if m.num_blocks < len(keys):  # the blocks it computed (the connector never offers a loaded one again)
+                    store.put(keys[m.num_blocks:], rows)
                     io.run()
             used = {t.name: t.used_bytes for t in store.tiers}
             m = store.metrics  # before close (it writes DRAM-only blocks down)

@@ -116,12 +116,22 @@ class TierChain:
     def locate(self, keys: Sequence[bytes]) -> list[Tier]:
         """The tier of each leading block that some tier serves: the local tiers key by key, then
         the shared ones for the rest of the prompt (one batch each)."""
-        found: list[Tier] = []
-        for k in keys:
-            t = self.holder(k)
-            if t is None:
+        n_keys = len(keys)
+        where: list[Tier | None] = [None] * n_keys
+        miss: Sequence[int] = range(n_keys)
+        for t in self.local:  # one batch per tier, for the keys the tiers above do not serve
+            if not miss:
                 break
-            found.append(t)
+            got = t.serving(keys if len(miss) == n_keys else [keys[i] for i in miss])
+            moving = len(self.demotions) > 0
+            rest = []
+            for i, g in zip(miss, got):
+                if g or (moving and self.demotions.has(t, keys[i])):  # (or still in its slot, moving down)
+                    where[i] = t
+                else:
+                    rest.append(i)
+            miss = rest
+        found: list[Tier] = where[: miss[0] if miss else n_keys]
         for t in self.shared:
             if len(found) < len(keys):
                 found += [t] * t.leading(keys[len(found):])

@@ -59,6 +59,10 @@ class Tier(ABC):
     def contains(self, key: bytes) -> bool:
         """READY and unexpired."""
 
+    def serving(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which ``keys`` are READY and unexpired (one batch)."""
+        return [self.contains(k) for k in keys]
+
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` it holds."""
         n = 0

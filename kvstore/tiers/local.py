@@ -64,6 +64,11 @@ class LocalTier(Tier):
         with self.lock:
             return self.index.lookup(key, self.clock()) is not None
 
+    def serving(self, keys: Sequence[bytes]) -> list[bool]:
+        with self.lock:
+            now, lookup = self.clock(), self.index.lookup
+            return [lookup(k, now) is not None for k in keys]
+
     def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
         """Phase 1 of a write, index only: WRITING entries (pinned, no medium yet), None where
         present, pending or no room (counted in ``pinned``); ``victims``: what left the index to
@@ -151,14 +156,9 @@ class LocalTier(Tier):
     def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
         """Pin READY entries for reading. A hit refreshes recency and TTL (``touch=False``: the
         caller decides later, with :meth:`touch`, which of them count as hits)."""
-        out = []
         with self.lock:
             now = self.clock()
-            for k in keys:
-                e = self.index.lookup(k, now)
-                if e is not None:
-                    self.index.pin(e)
-                out.append(e)
+            out = self.index.pin_ready(keys, now)
             if touch:
                 self._touch_locked(out, now, session)
         return out
@@ -171,11 +171,7 @@ class LocalTier(Tier):
 
     def _touch_locked(self, entries: Sequence[Entry | None], now: float, session: str | None,
                       ttl: float | None = None) -> None:
-        for e in reversed(entries):  # head of the chain ends most recent (see commit)
-            if e is not None and self.index.entries.get(e.key) is e:
-                if ttl is not None:
-                    self.index.extend(e, ttl)
-                self.index.touch(e, now, session)
+        self.index.touch_many(entries, now, session, ttl)  # head of the chain ends most recent (see commit)
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         with self.lock:

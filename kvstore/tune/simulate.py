@@ -166,8 +166,10 @@ class Simulator:
             finally:
                 store.end_load(h)
             self.io.run()
-        if store.chain.top is not None:
-            store._put(keys, None, [NO_BYTES] * nk)  # put
+        if store.chain.top is not None and n < nk:  # put: the blocks the engine computed (as the
+            # connector saves them: a loaded block is not stored again; putting it was a no-op that
+            # cost a third of a replay)
+            store._put(keys[n:], None, [NO_BYTES] * (nk - n))
             self.io.run()
         if self.record_samples:
             for name in NAMES:
