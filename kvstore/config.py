@@ -169,7 +169,7 @@ def _key_errors(prefix: str, data: Any, cls) -> list[ConfigError]:
         key = f"{prefix}.{k}" if prefix else str(k)
         e = getattr(cls, "_refuse", lambda key, name: None)(key, k)
         if e is None and k not in names:
-            e = ConfigError(key, "<not shown>", f"known keys here are {', '.join(names)} (unknown key)")
+            e = ConfigError.unknown(key, names)
         if e is not None:
             out.append(e)
     return out

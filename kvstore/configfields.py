@@ -4,6 +4,7 @@ looks at the machine (:mod:`kvstore.store.machine` does)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -12,6 +13,14 @@ from dataclasses import field as _dc_field
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+class _UnknownKey:
+    """ConfigError's value for a key its section does not have (one object, also once pickled)."""
+
+    def __reduce__(self):
+        return "UNKNOWN_KEY"
+
+
+UNKNOWN_KEY = _UnknownKey()
 _SHOW = reprlib.Repr()  # a value in a message: a YAML alias bomb or a 1 MiB string is shown cut short
 _SHOW.maxstring = _SHOW.maxother = 300
 _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict = 2, 6, 6
@@ -23,8 +32,17 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str, why: str | None = None):
         self.key, self.value, self.allowed, self.why = key, value, allowed, why
-        super().__init__(f"config key '{key}': invalid value {_SHOW.repr(value)}"
-                         + (f" ({why})" if why else "") + f"; allowed: {allowed}")
+        what = "unknown key" if value is UNKNOWN_KEY else f"invalid value {_SHOW.repr(value)}"
+        super().__init__(f"config key '{key}': {what}" + (f" ({why})" if why else "") + f"; allowed: {allowed}")
+
+    @classmethod
+    def unknown(cls, key: str, known: list[str]) -> "ConfigError":
+        """A key its section does not have (its value not shown: it may be a credential under a
+        misspelt name), with the nearest known one."""
+        name = key.rsplit(".", 1)[-1]
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        return cls(key, UNKNOWN_KEY, "known keys here are " + ", ".join(known),
+                   f"did you mean '{near[0]}'?" if near else None)
 
     def __reduce__(self):  # pickles (e.g. across a process boundary) with its fields
         return ConfigError, (self.key, self.value, self.allowed, self.why)

@@ -50,13 +50,17 @@ def test_help_version_and_unknown_commands():
     assert "--nope" in one_error(kv("stats", "--nope"), "stats", 2)  # argparse: one line, not the usage
     msg = one_error(kv("bench", "tiers", "--codecs", "none,lz4"), "bench tiers", 2)
     assert "lz4" in msg and "fp8+zstd" in msg  # the bad one and the known ones
+    for cmd in (["tune"], ["explain"], ["bench", "agent"], ["bench", "tiers"]):  # help from docstrings: no reST
+        p = kv(*cmd, "--help")
+        assert p.returncode == 0 and "``" not in p.stdout and ":mod:" not in p.stdout, (cmd, p.stdout[:300])
 
 
 def test_stats_failures_are_one_line():
     port = closed_port()
     for url in (f"http://127.0.0.1:{port}/metrics", f"127.0.0.1:{port}"):  # a bare HOST:PORT works too
         msg = one_error(kv("stats", "--url", url), "stats", 1)
-        assert f"http://127.0.0.1:{port}/metrics" in msg and "metrics.port" in msg
+        assert f"http://127.0.0.1:{port}/metrics" in msg and f"metrics.port set to {port}" in msg
+        assert "9400" not in msg  # the port asked about, not the default's
     assert "expected http://" in one_error(kv("stats", "--url", "ftp://x"), "stats", 2)
 
     class NotKvstore(http.server.BaseHTTPRequestHandler):
@@ -162,7 +166,8 @@ def test_config_by_name_from_anywhere_and_every_bad_key(tmp_path):
 
 
 def test_size_is_the_rule_of_thumb(tmp_path):
-    p = kv("size", "--model-shape", "32,8,128,bfloat16", "--keep-tokens", "65536", "--config", "default")
+    p = kv("size", "--model-shape", "32,8,128,bfloat16", "--keep-tokens", "65536", "--config", "default",
+           "--block-tokens", "16")
     assert p.returncode == 0, p.stderr
     assert "128 KiB per token" in p.stdout and "a block of 16 tokens: 2 MiB" in p.stdout
     assert "dram 4 GiB = 2,048 blocks = 32,768 tokens" in p.stdout and "to keep 65,536 tokens: 8 GiB" in p.stdout
@@ -170,6 +175,14 @@ def test_size_is_the_rule_of_thumb(tmp_path):
                                           '"num_key_value_heads": 2, "torch_dtype": "float32"}')
     p = kv("size", "--model", str(tmp_path), "--dtype", "bfloat16", "--block-tokens", "128")
     assert p.returncode == 0 and "4 layers x 2 KV heads x head size 64" in p.stdout and "2 KiB per token" in p.stdout
+    # without --dtype and --block-tokens: what vLLM will run here (the quick start's tiny float32 model
+    # ran in bfloat16 with 128-token blocks on vLLM's CPU backend; size said float32 and 16)
+    import torch
+
+    p = kv("size", "--model", str(tmp_path))
+    bt = 16 if torch.cuda.is_available() else 128
+    assert p.returncode == 0 and "2 KiB per token" in p.stdout and "bfloat16" in p.stdout, p.stdout
+    assert f"a block of {bt} tokens: {bt * 2} KiB (vLLM's default" in p.stdout
     assert "kv_heads" in one_error(kv("size", "--model-shape", "32,8"), "size", 2)
     assert "unknown dtype" in one_error(kv("size", "--model-shape", "32,8,128,fp4"), "size", 2)
 

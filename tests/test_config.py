@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pickle
+
 import pytest
 import yaml
 
@@ -56,6 +58,24 @@ def test_unknown_keys(data, key, allowed):
     e = ei.value
     assert e.key == key
     assert key in str(e) and allowed in str(e) and "unknown key" in str(e)
+    assert "invalid value" not in str(e)  # its value is not shown: it may be a credential under a misspelt name
+    again = pickle.loads(pickle.dumps(e))  # vLLM's engine process hands it to the API server
+    assert str(again) == str(e) and again.value is e.value
+
+
+@pytest.mark.parametrize("data, near", [
+    ({"tiers": {"dram": {"capacty_gb": 2}}}, "capacity_gb"),
+    ({"tiers": {"nvme": {"odirect": True}}}, "o_direct"),
+    ({"metrics": {"prot": 1}}, "port"),
+    ({"trace_pth": "x"}, "trace_path"),
+    ({"bogus": 1}, None),
+])
+def test_an_unknown_key_names_the_nearest_known_one(data, near):
+    with pytest.raises(ConfigError) as ei:
+        from_dict(data)
+    assert ("did you mean" in str(ei.value)) == (near is not None)
+    if near:
+        assert f"(did you mean '{near}'?)" in str(ei.value)
 
 
 @pytest.mark.parametrize("data, key, value, allowed_part", [

@@ -69,6 +69,32 @@ def test_pip_installs_nothing_but_kvstore_into_a_vllm_environment(tmp_path):
             assert not [n for n, _ in plan[1:] if n.lower() in installed], plan
 
 
+def _own_install_lines() -> list[tuple[str, str]]:
+    """(doc, line) of every ``pip install``/``pip wheel`` line of README.md and docs/install.md
+    that installs kvstore from its clone (a path target)."""
+    out = []
+    for doc in (ROOT / "README.md", ROOT / "docs" / "install.md"):
+        for line in doc.read_text().splitlines():
+            cmd = line.split("#")[0].split(";")[0].strip()
+            if re.match(r"pip (install|wheel) ", cmd) and cmd.split()[-1].startswith("."):
+                out.append((doc.name, cmd))
+    return out
+
+
+def test_the_install_lines_work_from_a_fresh_clones_root(tmp_path):
+    """A newcomer runs the docs' install line where a clone leaves them, in its root: ``pip
+    install ./kvstore`` failed there (``Directory './kvstore' is not installable``)."""
+    lines = _own_install_lines()
+    assert {d for d, _ in lines} == {"README.md", "install.md"}, lines
+    clone = tmp_path / "kvstore"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
+    for doc, cmd in lines:
+        target = cmd.split()[-1]
+        p = subprocess.run(PIP + ["install", "--dry-run", "--no-build-isolation", "--no-deps", "--quiet", target],
+                           cwd=clone, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (doc, cmd, p.stderr[-2000:])
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_beside_vllm_and_works_from_anywhere(tmp_path):
     import importlib.metadata as md

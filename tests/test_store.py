@@ -285,6 +285,18 @@ def test_temporary_nvme_folder_is_removed_at_close(clock):
     assert not folder.exists()
 
 
+def test_a_close_says_what_it_wrote_down(make_store, caplog):
+    """A restart that finds its disk tier empty is explained by what the close said (issue 49:
+    vLLM's default stop kills the engine before the close; a graceful one logs this line)."""
+    s = make_store(dram_blocks=8, nvme_blocks=16)
+    keys = make_keys(3)
+    s.put(keys, blocks_for(keys))
+    assert s.nvme.present_or_writing(keys[0]) is False  # only DRAM holds them
+    with caplog.at_level("INFO", logger="kvstore.store.store"):
+        s.close()
+    assert "closing: wrote 3 blocks only dram held down to nvme" in caplog.text
+
+
 # -- two-phase API --------------------------------------------------------------------------------
 
 

@@ -19,14 +19,15 @@ import sys
 from typing import Any, Callable
 
 from kvstore.bench.common.report import write_json
+from kvstore.ops.errors import Parser
 
 
 def parser(module: str, prog: str | None = None) -> argparse.ArgumentParser:
     """The mode's parser: the one ``kvstore bench`` builds (prog, docstring, the mode's options)."""
     mod = sys.modules[module]
     name = mod.__spec__.name if getattr(mod, "__spec__", None) else module  # "bench.tiers", also under -m
-    p = argparse.ArgumentParser(prog=prog or f"kvstore bench {name.rsplit('.', 1)[-1]}", description=mod.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=prog or f"kvstore bench {name.rsplit('.', 1)[-1]}", description=mod.__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
     return p
 

@@ -35,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore import kvcopy
 from kvstore.config import load_config
 from kvstore.offload.readout import render_engine
-from kvstore.store.sizing import sizing_line
+from kvstore.store.sizing import sizing_line, tiers_line
 from kvstore.tiers.registry import SPECS
 from kvstore.trace import TraceWriter, recorded_fields
 from kvstore.offload import (LocalClient, StepRunner, Planner, RemoteClient, StepPlan, StoreServer, acquire_shared,
@@ -518,7 +518,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             summary = self.shared.metrics.summary()
             if summary is not None:
                 log.info("kvstore connector summary:\n%s", "\n".join(render_engine(summary)))
-            log.info("kvstore tiers: %s", self.shared.store.stats()["tiers"])
+            log.info("kvstore tiers at shutdown: %s", tiers_line(self.shared.store.stats()["tiers"]))
             if self.mover is not None:
                 self.mover.close()  # in-flight copies complete (and commit) before the store closes
             if self.server is not None:

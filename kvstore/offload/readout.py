@@ -24,8 +24,9 @@ from kvstore.store.metrics import KINDS, TIERS
 
 HIT_RATE_MEANS = "served / (prompt - engine-local hits)"
 HELD_NOT_SERVED = ("kvstore has these blocks, but vLLM's own prefix cache answered first: to see kvstore serve "
-                   "them, send the prompt again after a restart, or after POST /reset_prefix_cache "
-                   "(VLLM_SERVER_DEV_MODE=1)")
+                   "them, send the prompt again after POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1), or after "
+                   "a restart whose stop let kvstore write DRAM down to disk (vLLM's --shutdown-timeout 60: its "
+                   "default 0 kills the engine first)")
 
 
 def _key(name: str, labels: dict) -> tuple:

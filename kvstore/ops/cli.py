@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import urllib.error
+import urllib.parse
 
 from kvstore.ops.errors import BAD_INPUT, FAILED, CommandError, Parser
 
@@ -147,9 +148,10 @@ def _stats(argv: list[str]) -> int:
             from None
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
+        port = urllib.parse.urlsplit(url).port or 80
         raise CommandError(f"cannot read {url}: {getattr(why, 'strerror', None) or why}; is a server running with "
-                           "metrics.port set to that port (kv_connector_extra_config {\"metrics\": {\"port\": "
-                           "9400}})?", FAILED) from None
+                           f"metrics.port set to {port} (kv_connector_extra_config {{\"metrics\": {{\"port\": "
+                           f"{port}}}}})?", FAILED) from None
     except ValueError as e:  # not Prometheus text
         raise CommandError(f"{url} did not answer Prometheus metrics ({e})", FAILED) from None
     if s["engine"] is None and not s["tiers"]:
@@ -202,7 +204,7 @@ def _config(argv: list[str]) -> int:
 
 def _size(argv: list[str]) -> int:
     from kvstore.store.machine import config_errors
-    from kvstore.store.sizing import SHAPE_FORMAT, ModelShape, fmt_bytes, sizing_line
+    from kvstore.store.sizing import SHAPE_FORMAT, ModelShape, default_block_tokens, fmt_bytes, sizing_line
 
     p = _parser("size", "What a config keeps of a model. Rule of thumb: KV bytes per token = 2 (K, V) x layers x "
                 "KV heads x head size x bytes per element; a tier keeps capacity / (bytes per token x block "
@@ -210,14 +212,18 @@ def _size(argv: list[str]) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", metavar="DIR", help="a Hugging Face model folder (its config.json)")
     g.add_argument("--model-shape", metavar="L,H,D,DTYPE", help=SHAPE_FORMAT)
-    p.add_argument("--dtype", default=None, help="with --model: the KV cache's dtype when it is not the model's "
-                   "torch_dtype (vLLM's --dtype or --kv-cache-dtype; vLLM on CPU runs float32 models in bfloat16)")
-    p.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (vLLM --block-size; "
-                   "default 16, 128 on vLLM's CPU backend)")
+    p.add_argument("--dtype", default=None, help="with --model: the KV cache's dtype (vLLM's --dtype or "
+                   "--kv-cache-dtype; default: what vLLM's --dtype auto runs, the model's torch_dtype with float32 "
+                   "downcast to bfloat16)")
+    p.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block (vLLM --block-size; "
+                   "default: vLLM's own here, 16 on a GPU, 128 on its CPU backend)")
     p.add_argument("--config", default=None, metavar="PATH|NAME", help="the config (default: $KVSTORE_CONFIG, "
                    "else the defaults)")
     p.add_argument("--keep-tokens", type=int, default=None, metavar="N", help="also: the capacity N tokens need")
     a = p.parse_args(argv)
+    why_bt = None
+    if a.block_tokens is None:
+        a.block_tokens, why_bt = default_block_tokens()
     if a.block_tokens <= 0:
         p.error(f"argument --block-tokens: must be > 0, got {a.block_tokens}")
     try:
@@ -228,8 +234,10 @@ def _size(argv: list[str]) -> int:
     if cfg is None:
         raise errors[0]
     bb = shape.block_bytes(a.block_tokens)
-    print(f"KV per token: {shape.describe()}")
-    print(f"a block of {a.block_tokens} tokens: {fmt_bytes(bb)}")
+    print(f"KV per token: {shape.describe()}" + ("" if a.dtype or not a.model else " (vLLM's --dtype auto; --dtype "
+                                                 "to change)"))
+    print(f"a block of {a.block_tokens} tokens: {fmt_bytes(bb)}" + (f" ({why_bt}; --block-tokens to change)"
+                                                                     if why_bt else ""))
     print(sizing_line(cfg, bb, a.block_tokens, a.model or "this model"))
     if a.keep_tokens is not None:
         print(f"to keep {a.keep_tokens:,} tokens: {fmt_bytes(a.keep_tokens * shape.bytes_per_token)}")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 BAD_INPUT = 2
@@ -26,10 +27,21 @@ class CommandError(Exception):
         self.code = code
 
 
+def plain(doc: str | None) -> str | None:
+    """A module docstring as ``--help`` prints it: reST's ````x```` as `x`, ``:mod:`x``` as `x`."""
+    if doc is None:
+        return None
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", doc)
+    return re.sub(r"``([^`]+)``", r"`\1`", doc)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the conventions above: a bad option or value is one line,
     ``kvstore <command>: error: ... (kvstore <command> --help)``, exit 2 (argparse prints the whole
-    usage first)."""
+    usage first); the description (a module docstring) printed without its reST markup."""
+
+    def __init__(self, *args, description: str | None = None, **kw):
+        super().__init__(*args, description=plain(description), **kw)
 
     def error(self, message: str):  # noqa: D102 - argparse's hook
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)

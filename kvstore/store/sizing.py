@@ -82,8 +82,28 @@ class ModelShape:
             dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"--model {path}: {f} lacks {e} (give --model-shape {SHAPE_FORMAT})") from None
-        dt = (dtype or c.get("torch_dtype") or c.get("dtype") or "bfloat16")
+        dt = dtype or auto_dtype(str(c.get("torch_dtype") or c.get("dtype") or "bfloat16"))
         return cls.parse(f"{layers},{heads},{dim},{dt}")
+
+
+def auto_dtype(config_dtype: str) -> str:
+    """The dtype vLLM's ``--dtype auto`` runs a model of ``config_dtype`` in: a float32 model is
+    downcast to the platform's first dtype, bfloat16 on x86/aarch64 CPUs and Ampere or later GPUs
+    (vllm.config.model._resolve_auto_dtype)."""
+    dt = config_dtype.lower().removeprefix("torch.")
+    return "bfloat16" if dt in ("float32", "float") else dt
+
+
+def default_block_tokens() -> tuple[int, str]:
+    """(tokens per block, why): vLLM's own default block size where ``kvstore size`` runs: 16
+    on a GPU, 128 on its CPU backend (vllm.platforms.cpu)."""
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        gpu = False
+    return (16, "vLLM's default on a GPU") if gpu else (128, "vLLM's default on its CPU backend")
 
 
 def fmt_bytes(n: float) -> str:
@@ -92,6 +112,13 @@ def fmt_bytes(n: float) -> str:
             v = n / s
             return f"{v:.3g} {unit}" if v != int(v) else f"{int(v)} {unit}"
     return f"{int(n)} B"
+
+
+def tiers_line(tiers: dict) -> str:
+    """``dram 12 blocks (1.5 MiB of 2 GiB), nvme 7 blocks (...)``: a store's ``stats()["tiers"]``
+    for a log line."""
+    return ", ".join(f"{name} {t.get('blocks', 0)} blocks ({fmt_bytes(t.get('bytes', 0))} of "
+                     f"{fmt_bytes(t.get('capacity_bytes', 0))})" for name, t in tiers.items()) or "no local tier"
 
 
 def tier_blocks(capacity_bytes: int, block_bytes: int) -> int:

@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         return _run(a)
-    except (TraceError, ConfigError, OSError, ValueError) as e:
+    except OSError as e:  # the file's name and the reason, as the other commands say it (not "[Errno 2] ...")
+        print(f"kvstore tune: error: {e.filename or ''}: {e.strerror or e}" if e.filename else
+              f"kvstore tune: error: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except (TraceError, ConfigError, ValueError) as e:
         print(f"kvstore tune: error: {e}", file=sys.stderr)
         return 2
 
