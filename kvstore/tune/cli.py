@@ -33,6 +33,7 @@ from kvstore.tune import report as R
 from kvstore.tune.recommend import CostModel, objective
 from kvstore.tune.tuner import tune
 from kvstore.tune.trace_memory import load_trace
+from kvstore.tune.simulate import LOWER, TOP
 
 BYTES_PER_TOKEN = 128 << 10  # default KV bytes per token: an 8B GQA model in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 B)
 
@@ -184,7 +185,7 @@ def _run(a) -> int:
     if a.nvme_path:
         from kvstore.config import merge
 
-        base = merge(base, {"tiers": {"nvme": {"path": a.nvme_path}}})
+        base = merge(base, {"tiers": {LOWER: {"path": a.nvme_path}}})
     bcfg = from_dict(base)
     if block_bytes <= 0:
         raise ValueError(f"--block-bytes must be positive, got {block_bytes}")
@@ -245,7 +246,7 @@ def _run(a) -> int:
                        "prefill_token_price": cost.prefill_token} if cost.active else None,
         "objective": "net value" if cost.active else "prefill tokens saved",
         **out,
-        "capacity_binding": {t: an[t]["capacity_binding"] for t in ("dram", "nvme")},
+        "capacity_binding": {t: an[t]["capacity_binding"] for t in (TOP, LOWER)},
         "out": a.out,
     }
     res["timing"]["load_s"] = t_load
@@ -255,12 +256,12 @@ def _run(a) -> int:
         rt = rec["tiers"]
         header = (f"kvstore tune --trace {a.trace}: {trace.summary()['requests']} requests, "
                   f"budget DRAM {dram_budget:g} GB / NVMe {nvme_budget:g} GB, block {block_bytes} bytes\n"
-                  f"recommended: DRAM {rt['dram']['capacity_gb']:g} GB ttl {R.fmt_ttl(rt['dram']['ttl_s'])}, "
-                  f"NVMe {rt['nvme']['capacity_gb']:g} GB ttl {R.fmt_ttl(rt['nvme']['ttl_s'])} admit_after "
-                  f"{rt['nvme']['admit_after']}: hit rate {rec['hit_rate']:.1%}, "
+                  f"recommended: DRAM {rt[TOP]['capacity_gb']:g} GB ttl {R.fmt_ttl(rt[TOP]['ttl_s'])}, "
+                  f"NVMe {rt[LOWER]['capacity_gb']:g} GB ttl {R.fmt_ttl(rt[LOWER]['ttl_s'])} admit_after "
+                  f"{rt[LOWER]['admit_after']}: hit rate {rec['hit_rate']:.1%}, "
                   f"{rec['saved_prefill_tokens']:,} prefill tokens saved "
                   f"({res['objective']}: {objective(rec, cost):,.6g})\n"
-                  + "".join(f"{t}: {an[t]['detail']}\n" for t in ("dram", "nvme"))
+                  + "".join(f"{t}: {an[t]['detail']}\n" for t in (TOP, LOWER))
                   + "Usable as kv_connector_extra_config.config; check tiers.nvme.path.")
         R.write_yaml(a.out, rec, base, header)
     if a.json:

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 from kvstore.config import StoreConfig, from_dict
 from kvstore.tune.simulate import Simulator, per_hour
 from kvstore.tune.trace_memory import Trace
+from kvstore.tune.simulate import LOWER, TOP
 
 DEFAULT_DRAM_TTLS: tuple[float | None, ...] = (30, 60, 120, 300, 600, 1800, 3600, None)
 DEFAULT_NVME_TTLS: tuple[float | None, ...] = (600, 1800, 3600, 4 * 3600, 12 * 3600, 86400, None)
@@ -62,16 +63,16 @@ def ttl_key(ttl: float | None) -> float:
 
 
 def tiers_of(s: Setting, c: Common) -> dict:
-    return {"dram": {"capacity_gb": s[0], "ttl_s": s[1], "ttl_shared_s": c.dram_ttl_shared, "policy": c.dram_policy,
+    return {TOP: {"capacity_gb": s[0], "ttl_s": s[1], "ttl_shared_s": c.dram_ttl_shared, "policy": c.dram_policy,
                      "headroom_blocks": c.dram_headroom},
-            "nvme": {"capacity_gb": s[2], "ttl_s": s[3], "ttl_shared_s": c.nvme_ttl_shared, "policy": c.nvme_policy,
+            LOWER: {"capacity_gb": s[2], "ttl_s": s[3], "ttl_shared_s": c.nvme_ttl_shared, "policy": c.nvme_policy,
                      "admit_after": full_setting(s)[4]}}
 
 
 def config_of(s: Setting, c: Common) -> StoreConfig:
     """The store config a setting stands for (the tiers the tuner searches, at their settings)."""
     t = tiers_of(s, c)
-    t["nvme"] = {**t["nvme"], "write_mode": c.write_mode, "header": c.nvme_header}
+    t[LOWER] = {**t[LOWER], "write_mode": c.write_mode, "header": c.nvme_header}
     return from_dict({"tiers": t})
 
 
@@ -120,8 +121,8 @@ def _unscale(r: dict, f: float) -> None:
 def _set_capacities(r: dict, s: Setting, c: Common) -> None:
     """The full-size capacities (a sampled replay ran with them scaled down)."""
     sim = make_sim(s, c, record_samples=False)
-    r["bytes_held"]["dram"]["capacity"] = sim.D.capacity if sim.D is not None else 0
-    r["bytes_held"]["nvme"]["capacity"] = sim.N.capacity if sim.N is not None else 0
+    r["bytes_held"][TOP]["capacity"] = sim.D.capacity if sim.D is not None else 0
+    r["bytes_held"][LOWER]["capacity"] = sim.N.capacity if sim.N is not None else 0
 
 
 # -- worker processes (fork: the trace is inherited, not pickled) ----------------------------------
@@ -186,7 +187,7 @@ class Evaluator:
             r = self.results.get(q)
             if r is None:
                 continue
-            tier = "dram" if a < 2 else "nvme"
+            tier = TOP if a < 2 else LOWER
             used = r["capacity_consulted" if a % 2 == 0 else "ttl_consulted"][tier]
             if not used:
                 return q

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.tune.grid import ttl_key
+from kvstore.tune.simulate import LOWER, TOP
 
 GB = float(1 << 30)
 
@@ -33,7 +34,7 @@ class CostModel:
     def storage_cost(self, r: dict) -> float:
         hours = r["duration_s"] / 3600.0
         bh = r["bytes_held"]
-        return (self.gb_hour_dram * bh["dram"]["mean"] / GB + self.gb_hour_nvme * bh["nvme"]["mean"] / GB) * hours
+        return (self.gb_hour_dram * bh[TOP]["mean"] / GB + self.gb_hour_nvme * bh[LOWER]["mean"] / GB) * hours
 
     def value(self, r: dict) -> float:
         return r["saved_prefill_tokens"] * self.prefill_token - self.storage_cost(r)
@@ -41,8 +42,8 @@ class CostModel:
 
 def setting(r: dict) -> tuple:
     t = r["tiers"]
-    return (t["dram"]["capacity_gb"], t["dram"]["ttl_s"], t["nvme"]["capacity_gb"], t["nvme"]["ttl_s"],
-            t["nvme"].get("admit_after", 0))
+    return (t[TOP]["capacity_gb"], t[TOP]["ttl_s"], t[LOWER]["capacity_gb"], t[LOWER]["ttl_s"],
+            t[LOWER].get("admit_after", 0))
 
 
 def objective(r: dict, cost: CostModel | None) -> float:
@@ -51,8 +52,8 @@ def objective(r: dict, cost: CostModel | None) -> float:
 
 def footprint(r: dict) -> tuple:
     bh, t = r["bytes_held"], r["tiers"]
-    return (bh["dram"]["mean"], bh["nvme"]["mean"], t["dram"]["capacity_gb"], t["nvme"]["capacity_gb"],
-            ttl_key(t["dram"]["ttl_s"]), ttl_key(t["nvme"]["ttl_s"]), r.get("nvme_written_bytes", 0))
+    return (bh[TOP]["mean"], bh[LOWER]["mean"], t[TOP]["capacity_gb"], t[LOWER]["capacity_gb"],
+            ttl_key(t[TOP]["ttl_s"]), ttl_key(t[LOWER]["ttl_s"]), r.get("nvme_written_bytes", 0))
 
 
 def pick(points: list[dict], cost: CostModel | None = None, tol_pp: float = 0.1) -> dict:
@@ -64,8 +65,8 @@ def pick(points: list[dict], cost: CostModel | None = None, tol_pp: float = 0.1)
     tol = tol_tokens * (cost.prefill_token if active and cost.prefill_token else 1.0)
     best = max(objective(r, cost) for r in points)
     cands = [r for r in points if objective(r, cost) >= best - tol]
-    most_dram = max(r["hit_tokens_by_tier"]["dram"] for r in cands)
-    cands = [r for r in cands if r["hit_tokens_by_tier"]["dram"] >= most_dram - tol_tokens]
+    most_dram = max(r["hit_tokens_by_tier"][TOP] for r in cands)
+    cands = [r for r in cands if r["hit_tokens_by_tier"][TOP] >= most_dram - tol_tokens]
     return min(cands, key=footprint)
 
 
@@ -86,7 +87,7 @@ def _block_tokens(r: dict) -> float:
 
 def _tier_metric(r: dict, tier: str) -> int:
     """What a tier's capacity buys: DRAM hits (NVMe below catches the rest); for the last tier, all hits."""
-    return r["hit_tokens_by_tier"]["dram"] if tier == "dram" else r["saved_prefill_tokens"]
+    return r["hit_tokens_by_tier"][TOP] if tier == TOP else r["saved_prefill_tokens"]
 
 
 def analyse(points: list[dict], rec: dict, tol_pp: float = 0.1) -> dict:
@@ -97,9 +98,9 @@ def analyse(points: list[dict], rec: dict, tol_pp: float = 0.1) -> dict:
     by = {setting(r): r for r in points}
     a0 = min(p[4] for p in by)  # the grid's admit_after: the DRAM slices were searched there
     out = {}
-    for tier, (ci, ti) in (("dram", (0, 1)), ("nvme", (2, 3))):
+    for tier, (ci, ti) in ((TOP, (0, 1)), (LOWER, (2, 3))):
         s, rec = s0, rec0
-        if tier == "dram" and s[4] != a0 and s[:4] + (a0,) in by:  # NVMe admission: read DRAM at a0
+        if tier == TOP and s[4] != a0 and s[:4] + (a0,) in by:  # NVMe admission: read DRAM at a0
             s = s[:4] + (a0,)
             rec = by[s]
         info: dict = {"capacity_binding": False, "binding_at_every_ttl": False, "ttl_saturates_at": None,
@@ -117,7 +118,7 @@ def analyse(points: list[dict], rec: dict, tol_pp: float = 0.1) -> dict:
             q = list(s)
             q[ci] = lower[-1]
             rising = _tier_metric(rec, tier) - _tier_metric(by[tuple(q)], tier) > tol
-        elif tier == "nvme" or s[2] <= 0:  # the last tier: misses of blocks evicted for capacity
+        elif tier == LOWER or s[2] <= 0:  # the last tier: misses of blocks evicted for capacity
             rising = rec["misses_by_reason"]["evicted"] > tol
         binding = at_budget and evicts and rising
         # the TTL slice at this capacity
@@ -130,7 +131,7 @@ def analyse(points: list[dict], rec: dict, tol_pp: float = 0.1) -> dict:
             sat = next(r for r in ttl_pts if _tier_metric(r, tier) >= top - tol)
             info["ttl_saturates_at"] = setting(sat)[ti]
             info["ttl_rises_to_the_longest"] = setting(sat)[ti] == setting(ttl_pts[-1])[ti] and len(ttl_pts) > 1
-        what = "DRAM hits" if tier == "dram" else "hits"
+        what = "DRAM hits" if tier == TOP else "hits"
         if binding:
             info["detail"] = (f"capacity is binding: at the {tier} budget ({s[ci]:g} GB) "
                               f"{rec['evicted_for_capacity'][tier]} blocks were evicted for capacity and {what} "

@@ -9,6 +9,7 @@ from typing import Sequence
 from kvstore.config import from_dict, merge
 from kvstore.tune.grid import ttl_key
 from kvstore.tune.recommend import setting
+from kvstore.tune.simulate import LOWER, TOP
 
 REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "not_admitted")
 
@@ -53,8 +54,8 @@ def _held(r: dict, tier: str) -> str:
 
 
 def _written(r: dict) -> str:
-    """NVMe bytes written per hour of trace (block bytes: kvstore_tier_written_bytes_total{tier="nvme"})."""
-    if not r["bytes_held"]["nvme"]["capacity"]:
+    """NVMe bytes written per hour of trace (block bytes: kvstore_tier_written_bytes_total{tier=LOWER})."""
+    if not r["bytes_held"][LOWER]["capacity"]:
         return "-"
     h = r.get("nvme_written_bytes_per_hour")
     return "-" if h is None else fmt_bytes(h)
@@ -86,12 +87,12 @@ def table(rows: Sequence[dict], rec: dict | None = None) -> str:
         pt = max(1, r["prompt_tokens"])
         mark = "**→**" if rec is not None and setting(r) == setting(rec) else ""
         miss = " / ".join(f"{r['misses_by_reason'].get(k, 0) / pt * 100:.1f}" for k in REASONS)
-        lines.append(f"| {mark} | {t['dram']['capacity_gb']:g} | {fmt_ttl(t['dram']['ttl_s'])} | "
-                     f"{t['nvme']['capacity_gb']:g} | {fmt_ttl(t['nvme']['ttl_s'])} | "
-                     f"{t['nvme'].get('admit_after', 0)} | {r['hit_rate'] * 100:.1f} | {_written(r)} | "
-                     f"{r['hit_rate_by_tier']['dram'] * 100:.1f} | {r['hit_rate_by_tier']['nvme'] * 100:.1f} | "
+        lines.append(f"| {mark} | {t[TOP]['capacity_gb']:g} | {fmt_ttl(t[TOP]['ttl_s'])} | "
+                     f"{t[LOWER]['capacity_gb']:g} | {fmt_ttl(t[LOWER]['ttl_s'])} | "
+                     f"{t[LOWER].get('admit_after', 0)} | {r['hit_rate'] * 100:.1f} | {_written(r)} | "
+                     f"{r['hit_rate_by_tier'][TOP] * 100:.1f} | {r['hit_rate_by_tier'][LOWER] * 100:.1f} | "
                      f"{r['replay_hit_rate'] * 100:.1f} | {r['genuine_hit_rate'] * 100:.1f} | "
-                     f"{r['saved_prefill_tokens']:,} | {_held(r, 'dram')} | {_held(r, 'nvme')} | {miss} |")
+                     f"{r['saved_prefill_tokens']:,} | {_held(r, TOP)} | {_held(r, LOWER)} | {miss} |")
     return "\n".join(lines)
 
 
@@ -126,16 +127,16 @@ def markdown(res: dict, all_rows: bool = False) -> str:
         f"{res['cost_model']['gb_hour_price_nvme']:g}/GB-h, prefill {res['cost_model']['prefill_token_price']:g}/token."
         if res.get("cost_model") else ""))
     out += ["", "## Recommended", ""]
-    out.append(f"`tiers.dram`: capacity_gb {t['dram']['capacity_gb']:g}, ttl_s {fmt_ttl(t['dram']['ttl_s'])}; "
-               f"`tiers.nvme`: capacity_gb {t['nvme']['capacity_gb']:g}, ttl_s {fmt_ttl(t['nvme']['ttl_s'])}, "
-               f"admit_after {t['nvme'].get('admit_after', 0)}"
+    out.append(f"`tiers.dram`: capacity_gb {t[TOP]['capacity_gb']:g}, ttl_s {fmt_ttl(t[TOP]['ttl_s'])}; "
+               f"`tiers.nvme`: capacity_gb {t[LOWER]['capacity_gb']:g}, ttl_s {fmt_ttl(t[LOWER]['ttl_s'])}, "
+               f"admit_after {t[LOWER].get('admit_after', 0)}"
                + (f" → `{res['out']}`" if res.get("out") else ""))
-    out.append(f"Hit rate {rec['hit_rate']:.1%} (DRAM {rec['hit_rate_by_tier']['dram']:.1%}, NVMe "
-               f"{rec['hit_rate_by_tier']['nvme']:.1%}; replay {rec['replay_hit_rate']:.1%}, genuine "
+    out.append(f"Hit rate {rec['hit_rate']:.1%} (DRAM {rec['hit_rate_by_tier'][TOP]:.1%}, NVMe "
+               f"{rec['hit_rate_by_tier'][LOWER]:.1%}; replay {rec['replay_hit_rate']:.1%}, genuine "
                f"{rec['genuine_hit_rate']:.1%}), {rec['saved_prefill_tokens']:,} prefill tokens saved"
                + (f", net value {rec['value']:,.4g}" if "value" in rec else "")
                + (f"; NVMe written {_written(rec)} per hour" if _written(rec) != "-" else "") + ".")
-    for tier in ("dram", "nvme"):
+    for tier in (TOP, LOWER):
         a = an[tier]
         line = f"- {tier.upper()}: {a['detail']}"
         if a.get("ttl_saturates_at", None) is not None or a.get("ttl_rises_to_the_longest"):
@@ -166,13 +167,13 @@ def write_yaml(path: str, rec: dict, base: dict | None, header: str) -> dict:
     t = rec["tiers"]
     over = {"tiers": {tier: {"capacity_gb": t[tier]["capacity_gb"], "ttl_s": t[tier]["ttl_s"],
                              "ttl_shared_s": t[tier]["ttl_shared_s"], "policy": t[tier]["policy"]}
-                      for tier in ("dram", "nvme")}}
-    over["tiers"]["nvme"]["admit_after"] = t["nvme"].get("admit_after", 0)
+                      for tier in (TOP, LOWER)}}
+    over["tiers"][LOWER]["admit_after"] = t[LOWER].get("admit_after", 0)
     cfg = from_dict(merge(base or {}, over))
     d = cfg.to_dict()
-    d["tiers"]["dram"]["capacity_gb"] = _num(d["tiers"]["dram"]["capacity_gb"])
-    d["tiers"]["nvme"]["capacity_gb"] = _num(d["tiers"]["nvme"]["capacity_gb"])
-    for tier in ("dram", "nvme"):
+    d["tiers"][TOP]["capacity_gb"] = _num(d["tiers"][TOP]["capacity_gb"])
+    d["tiers"][LOWER]["capacity_gb"] = _num(d["tiers"][LOWER]["capacity_gb"])
+    for tier in (TOP, LOWER):
         for k in ("ttl_s", "ttl_shared_s"):
             d["tiers"][tier][k] = _num(d["tiers"][tier][k])
     import yaml
@@ -214,12 +215,12 @@ def plots(out_dir: str, grid: Sequence[dict], rec: dict) -> list[str]:
     s = setting(rec)
     files = []
     for tier, (ci, ti) in S.AXES.items():
-        name = {"dram": "DRAM", "nvme": "NVMe"}[tier]
+        name = {TOP: "DRAM", LOWER: "NVMe"}[tier]
         key, pts = S.slice_of(grid, rec, tier)
         if not pts or all(setting(r)[ci] <= 0 for r in pts):
             continue
         series = {s[4]: pts}
-        if tier == "nvme":
+        if tier == LOWER:
             series.update({a: rows for a, rows in S.admission(grid, rec).items() if a != s[4]})
         ttls = sorted({setting(r)[ti] for rows in series.values() for r in rows}, key=ttl_key)
         finite = [x for x in ttls if x is not None]
@@ -272,7 +273,7 @@ def plots(out_dir: str, grid: Sequence[dict], rec: dict) -> list[str]:
         a3.set_ylim(bottom=0)
         a3.set_ylabel(f"{name} bytes held (GiB): p50 solid, max dotted")
         a3.set_title(f"{name} bytes held" + (" (admit_after " + str(s[4]) + ")" if len(series) > 1 else ""))
-        other = (f"NVMe {key[0]:g} GB, TTL {fmt_ttl(key[1])}, admit_after {key[2]}" if tier == "dram"
+        other = (f"NVMe {key[0]:g} GB, TTL {fmt_ttl(key[1])}, admit_after {key[2]}" if tier == TOP
                  else f"DRAM {key[0]:g} GB, TTL {fmt_ttl(key[1])}")
         n_ttl = len({setting(r)[ti] for r in pts})
         fig.suptitle(f"kvstore tune, {name}: {len(caps)} capacities x {n_ttl} TTLs searched at {other}"

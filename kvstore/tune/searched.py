@@ -15,8 +15,9 @@ from typing import Sequence
 
 from kvstore.tune.grid import ttl_key
 from kvstore.tune.recommend import setting
+from kvstore.tune.simulate import LOWER, TOP
 
-AXES = {"dram": (0, 1), "nvme": (2, 3)}  # (capacity, ttl) positions in a setting
+AXES = {TOP: (0, 1), LOWER: (2, 3)}  # (capacity, ttl) positions in a setting
 
 
 def slice_of(points: Sequence[dict], rec: dict, tier: str) -> tuple[tuple, list[dict]]:
@@ -28,7 +29,7 @@ def slice_of(points: Sequence[dict], rec: dict, tier: str) -> tuple[tuple, list[
     groups: dict[tuple, list[dict]] = {}
     for r in points:
         q = setting(r)
-        if tier == "nvme" and q[4] != s[4]:
+        if tier == LOWER and q[4] != s[4]:
             continue
         groups.setdefault(tuple(q[j] for j in fixed), []).append(r)
     if not groups:
@@ -72,13 +73,13 @@ def describe(points: Sequence[dict], rec: dict, fmt_ttl, fmt_written) -> list[st
     """The report's "Searched" section: one table per slice, every coordinate replayed."""
     out = ["## Searched: every capacity and TTL replayed", ""]
     shown: set = set()
-    for tier in ("dram", "nvme"):
+    for tier in (TOP, LOWER):
         key, rows = slice_of(points, rec, tier)
         if not rows:
             continue
         ci, ti = AXES[tier]
         n_c, n_t = len({setting(r)[ci] for r in rows}), len({setting(r)[ti] for r in rows})
-        if tier == "dram":
+        if tier == TOP:
             at = f"NVMe {key[0]:g} GB, TTL {fmt_ttl(key[1])}, admit_after {key[2]}"
             what = "hit % of all prompt tokens (DRAM's share)"
         else:
@@ -97,7 +98,7 @@ def describe(points: Sequence[dict], rec: dict, fmt_ttl, fmt_written) -> list[st
         what = "every block written" if a <= 1 else f"a block written once {a} requests used it"
         out += [f"NVMe with admit_after {a} ({what}), at the DRAM pick; each cell: hit % (NVMe bytes written per "
                 "hour of trace).", ""]
-        out += pivot(rows, "nvme", lambda r: f"{r['hit_rate'] * 100:.1f} ({fmt_written(r)})", rec, fmt_ttl)
+        out += pivot(rows, LOWER, lambda r: f"{r['hit_rate'] * 100:.1f} ({fmt_written(r)})", rec, fmt_ttl)
         out.append("")
         shown.update(setting(r) for r in rows)
     rest = len({setting(r) for r in points} - shown)

@@ -41,6 +41,10 @@ from kvstore.tune.counts import ReplayCounts
 from kvstore.tune.deferred import Deferred
 
 NAMES = tuple(s.name for s in SPECS if s.stand_in is not None)  # the tiers a result names, present or not
+# The tuner's search is over the first two of them, the local chain's top and the tier below it
+# (DRAM and NVMe today): their capacities and TTLs, and the lower one's admission. Its grid,
+# results, report and YAML name them through these two, never by a literal.
+TOP, LOWER = NAMES[:2]
 REASONS = ("never_stored", "evicted", "expired", "diverged", "below_min", "not_admitted")
 GHOST_CAPACITY = 1 << 17  # KVStore's default ghost_capacity
 _ROOT = b"\x00" * 16  # the replay's chain root: its namespaces are never written
@@ -65,8 +69,8 @@ class Simulator:
         self.chain = self.store.chain
         self.adm = self.chain.adm
         self.tiers = {t.name: t for t in self.chain.tiers}
-        self.D = self.tiers["dram"].index if "dram" in self.tiers else None
-        self.N = self.tiers["nvme"].index if "nvme" in self.tiers else None
+        self.D = self.tiers[TOP].index if TOP in self.tiers else None
+        self.N = self.tiers[LOWER].index if LOWER in self.tiers else None
         self.record_samples = record_samples
         # results
         self.requests = 0
@@ -111,7 +115,7 @@ class Simulator:
     @property
     def nvme_writes(self) -> int:
         """Blocks written into NVMe (demotions, write-through copies, stores)."""
-        return self.counts.written["nvme"]
+        return self.counts.written[LOWER]
 
     @property
     def evicted(self) -> dict[str, int]:
@@ -175,7 +179,7 @@ class Simulator:
             for name in NAMES:
                 ti = self.tiers.get(name)
                 self.samples[name].append(ti.used_bytes if ti is not None else 0)
-        return where.count("dram"), where.count("nvme"), reason
+        return where.count(TOP), where.count(LOWER), reason
 
     def _advance(self, now: float) -> None:
         if self.t0 is None:
