@@ -73,11 +73,11 @@ class Subscriber:
         self.ctx.term()
 
 
-def _engine(model: str, store: str, port: int, mp: bool = False, **kw) -> Engine:
+def _engine(model: str, store: str, port: int, mp: bool = False, nvme_ttl: float = NVME_TTL, **kw) -> Engine:
     from vllm.config import KVEventsConfig
 
     cfg = connector_config(store, dram_gb=8 * 128 * 1024 / 2**30, nvme_gb=1)  # DRAM: 8 blocks of 128 KiB
-    cfg["tiers"]["nvme"].update(ttl_s=NVME_TTL, write_mode="write_through")
+    cfg["tiers"]["nvme"].update(ttl_s=nvme_ttl, write_mode="write_through")
     return Engine(model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg), mp=mp,
                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                   endpoint=f"tcp://*:{port}", topic="kv"), **kw)
@@ -170,9 +170,11 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
     finally:
         eng.close()
         sub.close()
-    # a restart: what the scan found on NVMe is announced at the engine's first step
+    # a restart: what the scan found on NVMe is announced at the engine's first step. With a TTL the
+    # restart cannot outlast: a loaded CI machine took more than NVME_TTL (6 s) from p3's store to
+    # the new engine's scan, which then rightly dropped p3's files as expired (a random-order run)
     port = _free_port()
-    eng = _engine(tiny_model, store, port)
+    eng = _engine(tiny_model, store, port, nvme_ttl=600.0)
     sub = Subscriber(port)
     try:
         eng.generate([prompt(BS + 3, 9)], 2)
