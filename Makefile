@@ -76,6 +76,9 @@ $(PEERS)/.lmcache-installed:
 	$(PEERS_PIP) install --no-deps lmcache==0.5.6
 	$(PEERS_PIP) install numpy==2.2.6 numba pyyaml requests sortedcontainers "prometheus_client<=0.24.1" py-cpuinfo \
 		psutil aiohttp cachetools aiofile msgspec pyzmq transformers cryptography
+	# its L2 adapters (bench tiers --peer lmcache-l2): fs imports aiofiles, raw_block the Rust I/O
+	# module (0.5.7rc2 is its only release; it runs under 0.5.6)
+	$(PEERS_PIP) install aiofiles lmcache-rust-raw-block-io==0.5.7rc2
 	$(PEERS)/bin/python -c "import lmcache; from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend; print('lmcache peer installed')"
 	touch $@
 

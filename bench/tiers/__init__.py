@@ -109,8 +109,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-depth", type=int, default=None,
                    help="blockio path: block files in flight per I/O thread (io_uring) or in all (threads) "
                    "(default: the tier's, 8)")
-    p.add_argument("--peer", default=None, choices=["lmcache"], help="also run the peer's local CPU and disk "
-                   "backends on the same bytes, threads and folder, interleaved (its venv: make peers)")
+    p.add_argument("--peer", default=None, choices=["lmcache", "lmcache-l2"], help="lmcache: also run the peer's "
+                   "local CPU and disk backends on the same bytes, threads and folder, interleaved (its venv: make "
+                   "peers); lmcache-l2: instead, kvstore's LMCache L2 adapter beside LMCache's fs and raw_block L2 "
+                   "adapters on the same folder (bench/tiers/peer_l2.py)")
     p.add_argument("--o-direct", default=None, choices=["auto", "true", "false"])
     harness.output_args(p)
 
@@ -154,6 +156,10 @@ def _fill(src: np.ndarray, a, tokens: int) -> str:
 
 def run(a: argparse.Namespace) -> dict:
     a = resolve(a)
+    if a.peer == "lmcache-l2":  # its own table (bench/tiers/peer_l2.py)
+        from kvstore.bench.tiers.peer_l2 import run as run_l2
+
+        return run_l2(a)
     block_tokens = [int(x) for x in str(a.block_tokens).split(",") if x]
     concurrency = [int(x) for x in str(a.concurrency).split(",") if x]
     tiers = [t for t in str(a.tiers).split(",") if t]
