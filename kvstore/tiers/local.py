@@ -160,18 +160,14 @@ class LocalTier(Tier):
             now = self.clock()
             out = self.index.pin_ready(keys, now)
             if touch:
-                self._touch_locked(out, now, session)
+                self.index.touch_many(out, now, session)  # head of the chain ends most recent (see commit)
         return out
 
     def touch(self, entries: Sequence[Entry | None], session: str | None = None, ttl: float | None = None) -> None:
         """Count pinned entries as hits (refresh recency and TTL; ``ttl``: a retention hint,
         the entries' idle TTL becomes at least that)."""
         with self.lock:
-            self._touch_locked(entries, self.clock(), session, ttl)
-
-    def _touch_locked(self, entries: Sequence[Entry | None], now: float, session: str | None,
-                      ttl: float | None = None) -> None:
-        self.index.touch_many(entries, now, session, ttl)  # head of the chain ends most recent (see commit)
+            self.index.touch_many(entries, self.clock(), session, ttl)
 
     def holds(self, keys: Sequence[bytes]) -> list[bool]:
         with self.lock:
