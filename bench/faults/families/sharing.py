@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -14,17 +15,33 @@ import numpy as np
 
 from kvstore.bench.faults.families.common import _child_cmd, block_of, key_of, open_store, read_check, tier_vs_folder
 
+HANDOFF = 4  # blocks the parent writes that only the last, ordered step touches
+
+
+def _wait_for(path: Path, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.005)
+
+
 def _sharer(job: dict) -> None:
     me, other, bb, ops = job["id"], 1 - job["id"], job["block_bytes"], job["ops"]
     rng = random.Random(job["seed"] * 7 + me)
     kw = dict(block_bytes=bb, dram_blocks=job["dram_blocks"], nvme_blocks=job["nvme_blocks"], header=job["header"])
     pre = [key_of("pre", i) for i in range(job["pre"])]
-    pre_set = set(pre)
+    hand = [key_of("handoff", i) for i in range(HANDOFF)]
+    pre_set = set(pre) | set(hand)  # the reopen's reads are of the other's own blocks only
     r = {"reads_ok": 0, "wrong": 0, "misses": 0, "errors": 0, "deleted": 0, "reopens": 0, "other_reads_ok": 0,
          "common_writes": 0, "rewritten": 0, "written": [], "examples": []}
     out = np.zeros((4, bb), np.uint8)
+    sync = Path(job["sync"])
     s = open_store(job["path"], **kw)
     n_own = 0
+    # Both start the loop together: each interpreter's start-up takes 1-3 s, and on a loaded machine
+    # one sharer could finish its 250 ops (~0.5 s) before the other began (fresh-clone CI: 0 rewrites).
+    (sync / f"ready{me}").touch()
+    _wait_for(sync / "go")
     try:
         for op in range(ops):
             x = rng.random()
@@ -62,6 +79,21 @@ def _sharer(job: dict) -> None:
                 r["errors"] += 1
                 if len(r["examples"]) < 3:
                     r["examples"].append(traceback.format_exc()[-1500:])
+        # Then one ordered step, so that a rewrite of what the other deleted happens in every run, not
+        # only when the random loop's timing allows it: 0 deletes the handoff blocks, 1 (which never
+        # touched them) finds them gone and writes them again.
+        if me == 0:
+            r["deleted"] += s.nvme.remove(hand)
+            (sync / "deleted").touch()
+        else:
+            _wait_for(sync / "deleted")
+            n, w = read_check(s, hand, np.zeros((len(hand), bb), np.uint8))
+            r["wrong"] += w
+            r["misses"] += len(hand) - n
+            r["rewritten"] += s.put(hand, np.stack([block_of(k, bb) for k in hand]))
+    except Exception:
+        r["errors"] += 1
+        r["examples"].append(traceback.format_exc()[-1500:])
     finally:
         s.close()
     print("RESULT " + json.dumps(r), flush=True)
@@ -73,15 +105,23 @@ def sharing(folder, *, ops: int, seed: int = 0, block_bytes: int = 16384, pre: i
     folder = Path(folder)
     big = 8 * ops + 4 * pre + 256  # no capacity evictions: every own write must survive
     s = open_store(folder, block_bytes=block_bytes, nvme_blocks=big, header="auto")
-    pk = [key_of("pre", i) for i in range(pre)]
+    pk = [key_of("pre", i) for i in range(pre)] + [key_of("handoff", i) for i in range(HANDOFF)]
     s.put(pk, np.stack([block_of(k, block_bytes) for k in pk]))
     header = s.nvme.header
     s.close()
     procs = []
+    sync = folder.parent / (folder.name + ".sync")
+    sync.mkdir(mode=0o700)
     for me in (0, 1):
-        job = {"role": "sharer", "id": me, "path": str(folder), "block_bytes": block_bytes, "ops": ops,
+        job = {"role": "sharer", "id": me, "path": str(folder), "block_bytes": block_bytes, "ops": ops, "sync": str(sync),
                "seed": seed, "pre": pre, "dram_blocks": 8 if me else 0, "nvme_blocks": big, "header": header}
         procs.append(subprocess.Popen(_child_cmd(job), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    end = time.monotonic() + 300
+    while not all((sync / f"ready{me}").exists() for me in (0, 1)) and time.monotonic() < end:
+        if any(p.poll() is not None for p in procs):
+            break  # a child died before the start: its error is reported below
+        time.sleep(0.005)
+    (sync / "go").touch()
     results, errors, examples = [], 0, []
     for p in procs:
         out, err = p.communicate(timeout=1800)
