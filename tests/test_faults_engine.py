@@ -38,6 +38,9 @@ def _run(args: list[str], env: dict | None = None, timeout: int = 900) -> dict:
                        timeout=timeout, env=e, cwd=ROOT)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, (p.stdout[-2000:], p.stderr[-6000:])
+    # shown only when the test fails: the engine's and the store's own lines (thread binding, ISA, warnings)
+    print("\n".join(ln[:400] for ln in p.stderr.splitlines() if "WARNING" in ln or "ERROR" in ln or "kvstore" in ln
+                     or "OpenMP" in ln or "core ids" in ln or "isa" in ln.lower())[-8000:])
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -63,15 +66,15 @@ def test_fault_matrix(tiny_model, reference, tmp_path, dram, mp):
                 "scatter_error", "tier_shut_down"} | ({"dram_slot_lost"} if dram else set()) | \
         ({"rpc_socket"} if mp else set())
     assert set(faults) == expected
-    assert res["corrupt_served"] == 0
-    assert res["poisoned_stores"] == 0
+    assert res["corrupt_served"] == 0, {n: r["mismatches"] for n, r in faults.items() if r["mismatches"]}
+    assert res["poisoned_stores"] == 0, (res["poisoned_examples"], res["namespaces"], res["ref_namespaces"])
     assert res["blocks_compared"] >= 150  # the comparison saw the store, not an empty folder
     control = faults["none"]
     # the hooks' time on the engine's thread is counted on both sides; with --mp the scheduler is
     # in another process than the store, and its counts arrive in the step plans
     assert control["hook_calls"]["scheduler"] >= 7 and control["hook_calls"]["worker"] >= 7, control
     for name, r in faults.items():
-        assert r["fill_identical"], name
+        assert r["fill_identical"], (name, r["mismatches"])
         assert r["demoting_at_fault"] in (0, None), (name, r)  # the fill's blocks were files (or no DRAM)
         assert r["wrong_outputs"] == 0, (name, r)
         if name == "tier_shut_down":  # the store is gone: every later request recomputes, correctly

@@ -79,10 +79,13 @@ def payloads(store: str) -> dict[bytes, np.ndarray]:
     return out
 
 
-def poisoned(store: str, ref_store: str) -> tuple[int, int, int]:
-    """(blocks compared, blocks whose KV differs from the reference's under the same key, not comparable)."""
+def poisoned(store: str, ref_store: str) -> tuple[int, int, int, list[dict]]:
+    """(blocks compared, blocks whose KV differs from the reference's under the same key, not
+    comparable, a few of the differing blocks described: how far off, and whether the bytes are
+    another reference block's, so that a failure says what kind of wrong it is)."""
     mine, ref = payloads(store), payloads(ref_store)
     compared = bad = unknown = 0
+    examples: list[dict] = []
     for k, v in mine.items():
         r = ref.get(k)
         if r is None or r.size != v.size:
@@ -92,4 +95,12 @@ def poisoned(store: str, ref_store: str) -> tuple[int, int, int]:
         a, b = v.view(np.float32), r.view(np.float32)
         if not np.allclose(a, b, rtol=1e-3, atol=1e-3, equal_nan=True):
             bad += 1
-    return compared, bad, unknown
+            if len(examples) < 3:
+                off = ~np.isclose(a, b, rtol=1e-3, atol=1e-3, equal_nan=True)
+                examples.append({
+                    "key": k.hex()[:16], "elements_off": round(float(off.mean()), 4),
+                    "max_abs_diff": float(np.nanmax(np.abs(a - b))), "ref_max_abs": float(np.nanmax(np.abs(b))),
+                    "first_off": int(np.argmax(off)), "zeros": round(float((a == 0).mean()), 4),
+                    "is_another_ref_block": next((o.hex()[:16] for o, x in ref.items()
+                                                  if x.size == v.size and np.array_equal(x, v)), None)})
+    return compared, bad, unknown, examples

@@ -32,6 +32,7 @@ import re
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
@@ -225,6 +226,18 @@ def unsupplied(after: dict, before: dict) -> dict[str, int]:
     return out
 
 
+def mismatches(turn: int, outs: list[list[int]], want: list[list[int]], cached: list[int]) -> list[dict]:
+    """Each output that differs from the reference's: where, from which token, and what the
+    request hit (a failure names what to look at, not only a count)."""
+    out = []
+    for s, (a, b) in enumerate(zip(outs, want)):
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append({"turn": turn, "session": s, "first_diff": first, "got": a, "want": b,
+                        "cached_tokens": cached[s]})
+    return out
+
+
 def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool, mp: bool, ctl: str,
                only: list[str] | None = None) -> dict:
     names = faults_for(dram, mp, only)
@@ -239,8 +252,9 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
 
         for name in names:  # 1. fill
             turn0 = ref[name][0]
-            outs, _ = e.generate(turn0["prompts"], MAX_TOKENS, reset=True)
-            res["faults"][name] = {"fill_identical": outs == turn0["outputs"]}
+            outs, c = e.generate(turn0["prompts"], MAX_TOKENS, reset=True)
+            res["faults"][name] = {"fill_identical": outs == turn0["outputs"], "fill_cached_tokens": c,
+                                   "mismatches": mismatches(0, outs, turn0["outputs"], c)}
         if dram:  # 2. push the fills out of DRAM (demoted to files)
             e.generate(flush_prompts(), MAX_TOKENS, reset=True)
         for name in names:
@@ -260,6 +274,7 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
             for t in (1, 2):  # 4. follow-ups
                 outs, c = e.generate(turns[t]["prompts"], MAX_TOKENS, reset=True)
                 wrong += sum(1 for a, b in zip(outs, turns[t]["outputs"]) if a != b)
+                r["mismatches"] += mismatches(t, outs, turns[t]["outputs"], c)
                 cached.append(c)
             set_failpoints(ctl, "")
             time.sleep(f.get("settle_s", 0.0))
@@ -269,6 +284,7 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
             # recomputes, and the same request again must then be a full hit
             def heal() -> tuple[int, int]:  # (wrong outputs, hit tokens)
                 outs, c = e.generate(turns[3]["prompts"][:1], MAX_TOKENS, reset=True)
+                r["mismatches"] += mismatches(3, outs, turns[3]["outputs"][:1], c)
                 return int(outs[0] != turns[3]["outputs"][0]), c[0]
 
             w1, first = heal()
@@ -316,8 +332,11 @@ def run_faults(model: str, store: str, ref: dict, ref_store: str, *, dram: bool,
     finally:
         set_failpoints(ctl, "")
         e.close()
-    compared, bad, unknown = poisoned(store, ref_store)
+    compared, bad, unknown, examples = poisoned(store, ref_store)
     res.update({"blocks_compared": compared, "poisoned_stores": bad, "blocks_not_in_reference": unknown,
+                "poisoned_examples": examples,
+                "namespaces": sorted(p.name for p in Path(store).glob("kvstore-*")),
+                "ref_namespaces": sorted(p.name for p in Path(ref_store).glob("kvstore-*")),
                 "corrupt_served": sum(r.get("wrong_outputs", 0) for r in res["faults"].values())})
     return res
 
