@@ -235,6 +235,23 @@ def test_trace_loading(tmp_path):
     assert tune_main(["--trace", str(p), "--quiet"]) == 2
 
 
+def test_trace_keys_get_ids_by_first_appearance_whatever_the_session_does(tmp_path):
+    """Loading reuses a session's last ids when its prompt extends the last one (append-only):
+    an edited history, a shorter prompt, upper-case digits and another session's keys must get
+    the ids a plain dict of every key gives."""
+    a, b, c, d, e = (ch * 32 for ch in "abcde")
+    rows = [("x", [a, b]), ("x", [a, b, c]), ("x", [a, c]), ("x", [a, c, d]), ("x", [a]),
+            ("y", [a.upper(), e]), ("y", [a, e, b.upper()]), ("x", [a, b, c, d, e])]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"t": float(i), "session": s, "blocks": bl, "block_tokens": 16,
+                                     "prompt_tokens": 16 * len(bl)}) + "\n" for i, (s, bl) in enumerate(rows)))
+    tr = load_trace(p)
+    ids: dict = {}
+    want = [tuple(ids.setdefault(k.lower(), len(ids)) for k in bl) for _, bl in rows]
+    assert tr.keys == want and tr.n_keys == 5
+    assert tr.replay == [False] * 8
+
+
 # -- TTL classes: ttl_shared_s ------------------------------------------------------------------
 
 

@@ -199,7 +199,8 @@ class Attachment:
         out of it."""
         with self.lock:
             self._check_id(sid)
-        todo = [i for i, k in enumerate(keys) if self.store.chain.holder(k) is None]
+        missing = set(self.store.chain.unheld(keys))
+        todo = [i for i, k in enumerate(keys) if k in missing]
         cap = self.take(len(todo))
         try:
             r = _Store(self.store.begin_store([keys[i] for i in todo[:cap]], ttl_s=ttl), todo[:cap])

@@ -66,8 +66,7 @@ class LocalTier(Tier):
 
     def serving(self, keys: Sequence[bytes]) -> list[bool]:
         with self.lock:
-            now, lookup = self.clock(), self.index.lookup
-            return [lookup(k, now) is not None for k in keys]
+            return self.index.serving(keys, self.clock())
 
     def begin_reserve(self, keys: Sequence[bytes], ttl: float | None = None) -> Reservation:
         """Phase 1 of a write, index only: WRITING entries (pinned, no medium yet), None where
@@ -135,21 +134,15 @@ class LocalTier(Tier):
         entries, oks = list(entries), list(oks)
         if len(entries) != len(oks):
             raise ValueError(f"commit: {len(oks)} results for {len(entries)} entries")
-        failed = []
+        failed = [e for e, ok in zip(entries, oks) if e is not None and not ok]
         with self.lock:
             now = self.clock() if at is None else at
+            for e in failed:
+                self.index.abort(e)
             # last block first: within a batch (a prefix chain) the head ends most recent, so
             # the policy evicts a chain from its tail (a chain without its head is unreachable)
-            for e, ok in zip(reversed(entries), reversed(oks)):
-                if e is None:
-                    continue
-                if ok:
-                    self.index.commit(e, now, session)
-                    if keep_pinned:
-                        self.index.pin(e)
-                else:
-                    self.index.abort(e)
-                    failed.append(e)
+            self.index.commit_many([e for e, ok in zip(reversed(entries), reversed(oks)) if e is not None and ok],
+                                   now, session, keep_pinned)
         for e in failed:
             self._free(e)
 
@@ -220,6 +213,12 @@ class LocalTier(Tier):
     def release(self, entries: Sequence[Entry | None], oks: Sequence[bool] | None = None) -> None:
         """Unpin after a read; an entry whose read failed leaves the index at once (corrupt or
         gone), its medium freed by its last reader."""
+        if oks is None:  # (every load's end: one call for the batch)
+            with self.lock:
+                dropped = self.index.unpin_many(entries)
+            for e in dropped:
+                self._free(e)
+            return
         dropped = []
         with self.lock:
             for i, e in enumerate(entries):

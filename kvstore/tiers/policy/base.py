@@ -21,6 +21,11 @@ class Policy(ABC):
     @abstractmethod
     def touch(self, key: Hashable, session: str | None = None) -> None: ...
 
+    def touch_many(self, keys, session: str | None = None) -> None:
+        """:meth:`touch` each key in order (the last ends most recent)."""
+        for k in keys:
+            self.touch(k, session)
+
     @abstractmethod
     def remove(self, key: Hashable) -> None: ...
 

@@ -21,6 +21,13 @@ class LRUPolicy(Policy):
         if key in self._order:
             self._order.move_to_end(key)
 
+    def touch_many(self, keys, session: str | None = None) -> None:
+        order = self._order
+        to_end = order.move_to_end
+        for k in keys:  # (a hit's blocks: one call for the batch, a replay's most frequent step)
+            if k in order:
+                to_end(k)
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
@@ -36,4 +43,7 @@ class FIFOPolicy(LRUPolicy):
     """Insertion order only: hits do not refresh."""
 
     def touch(self, key: Hashable, session: str | None = None) -> None:
+        pass
+
+    def touch_many(self, keys, session: str | None = None) -> None:
         pass
