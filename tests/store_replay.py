@@ -21,6 +21,7 @@ import numpy as np
 
 from kvstore.config import StoreConfig
 from kvstore.tune.deferred import Deferred
+from kvstore.tune.simulate import NAMES
 from kvstore.tune.trace_memory import Trace
 
 
@@ -78,7 +79,7 @@ def replay_store(trace: Trace, cfg: StoreConfig, block_bytes: int, nvme_path: st
             written = int(m.value("kvstore_tier_written_bytes_total", tier="nvme"))
             away = int(m.value("kvstore_tier_skipped_blocks_total", tier="nvme", reason="not_admitted"))
     p = prompt or 1
-    return {"hit_rate": (hits["dram"] + hits["nvme"]) / p,
-            "hit_rate_by_tier": {"dram": hits["dram"] / p, "nvme": hits["nvme"] / p},
+    return {"hit_rate": sum(hits.values()) / p,
+            "hit_rate_by_tier": {t: hits[t] / p for t in (*NAMES, *hits)},
             "replay_hit_tokens": replay_hits, "misses_by_reason": dict(miss), "bytes_held_end": used,
             "nvme_written_bytes": written, "nvme_not_admitted": away}

@@ -74,6 +74,65 @@ def test_simulated_hit_rate_equals_the_real_store(mixed_trace, dram, dttl, nvme,
     assert a["replay_hit_tokens"] == b["replay_hit_tokens"]
 
 
+@pytest.mark.parametrize("dram,nvme", [(12, 0), (10, 30)])
+def test_a_shared_folder_is_modelled_as_the_store_serves_it(mixed_trace, dram, nvme, tmp_path):
+    """A shared folder below the local tiers (write-through, found after them): the stand-in's
+    hits are the real tier's, block for block, where its sweeper never has to act (a capacity
+    and a TTL the trace stays within: the sweeper runs on the wall clock, the replay on the
+    trace's)."""
+    base = cfg_blocks(dram, None, nvme, None)
+    cfg = from_dict({**base.to_dict(), "tiers": {**base.to_dict()["tiers"], "sharedfs": {
+        "path": str(tmp_path / "shared"), "capacity_gb": 1, "ttl_s": None}}})
+    (tmp_path / "shared").mkdir(mode=0o700)
+    sim = Simulator.from_config(cfg, BB)
+    assert [t.name for t in sim.chain.tiers] == ["dram"] + ["nvme"] * bool(nvme) + ["sharedfs"]
+    for r in mixed_trace.requests():
+        sim.request(*r)
+    a = sim.result()
+    b = replay_store(mixed_trace, cfg, BB, nvme_path=str(tmp_path / "nvme"))
+    assert a["hit_rate_by_tier"]["sharedfs"] > 0.2  # the local tiers are small: most hits are the folder's
+    assert a["hit_rate_by_tier"] == pytest.approx(b["hit_rate_by_tier"], abs=1e-12)
+    assert {k: v for k, v in a["misses_by_reason"].items() if v} == b["misses_by_reason"]
+
+
+def test_the_shared_folder_stand_in_keeps_its_capacity_and_ttl():
+    from kvstore.tiers.nobytes import NoBytesSharedTier
+
+    now = [0.0]
+    t = NoBytesSharedTier("sharedfs", capacity_bytes=3 * 8192, ttl_s=100.0, entry_bytes=8192, block_bytes=BB,
+                          clock=lambda: now[0])
+    k = [bytes([i]) * 16 for i in range(5)]
+    t.stored(k[:3])
+    assert t.leading(k) == 3 and t.used_bytes == 3 * 8192
+    now[0] = 50.0
+    t.acquire(k[:1])  # a read refreshes its time: the least recent is k[1] now
+    t.stored(k[3:4])
+    assert t.holds(k[:4]) == [True, False, True, True] and t.stats["evicted"] == 1
+    now[0] = 120.0  # k[2] idle 120 s: past its TTL; k[0] read at 50, k[3] stored at 50: not
+    assert t.holds(k[:4]) == [True, False, False, True] and t.index.consulted["ttl"]
+    t.stored(k[4:5])
+    assert t.leading([k[0], k[3], k[4]]) == 3 and len(t) <= 3
+
+
+def test_tune_models_a_shared_folder_of_the_base_config(mixed_trace, tmp_path):
+    p = tmp_path / "t.jsonl"
+    write_records(p, synth_records(sessions=30, turns=6, think=(20, 200), arrival_s=600, system_blocks=3, seed=4))
+    base = tmp_path / "base.yaml"
+    base.write_text(f"tiers:\n  sharedfs:\n    path: {tmp_path}\n    capacity_gb: 0.01\n    ttl_s: 3600\n")
+    out = tmp_path / "out.json"
+    assert tune_main(["--trace", str(p), "--base", str(base), "--dram-gb", str(20 * BB / GiB), "--nvme-gb", "0",
+                      "--block-bytes", str(BB), "--json", str(out), "--quiet", "--jobs", "1"]) == 0
+    res = json.loads(out.read_text())
+    assert res["modelled_as_configured"]["sharedfs"]["capacity_gb"] == 0.01
+    rec = res["recommended"]
+    assert rec["hit_tokens_by_tier"]["sharedfs"] > 0 and rec["bytes_held"]["sharedfs"]["capacity"] == int(0.01 * GiB)
+    again = tmp_path / "plain.json"
+    assert tune_main(["--trace", str(p), "--dram-gb", str(20 * BB / GiB), "--nvme-gb", "0", "--block-bytes",
+                      str(BB), "--json", str(again), "--quiet", "--jobs", "1"]) == 0
+    plain = json.loads(again.read_text())["recommended"]
+    assert plain["hit_tokens_by_tier"]["sharedfs"] == 0 and rec["hit_rate"] > plain["hit_rate"]
+
+
 def test_reused_grid_points_equal_their_own_replay(mixed_trace):
     """A point copied from a smaller one (capacity or TTL never consulted) is what its replay gives."""
     c = G.Common(block_bytes=BB)

@@ -7,6 +7,7 @@ nothing is written or read.
 A tier of ``slots`` models the DRAM pool: the index holds at most ``capacity_bytes`` (the slots
 less the headroom), a reservation finds a free slot or is skipped (``no_slot``), and a victim
 being written down keeps its slot until its write is done. A tier without slots models files.
+:class:`NoBytesSharedTier` models a shared medium that keeps its own index (a shared folder).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.tiers.index import Entry
+from kvstore.tiers.index import EXPIRED, Entry, TierIndex
 from kvstore.tiers.local import LocalTier
+from kvstore.tiers.policy import make_policy
+from kvstore.tiers.shared import SharedTier
 
 # what a view of a block is here: no bytes (the store's copies of it copy nothing)
 NO_BYTES = np.empty(0, np.uint8)
@@ -68,3 +71,80 @@ class NoBytesTier(LocalTier):
 
     def read_many(self, entries: Sequence[Entry], outs: Sequence[np.ndarray]) -> list[bool]:
         return [True] * len(entries)
+
+
+class NoBytesSharedTier(SharedTier):
+    """A shared medium's stand-in (a shared folder): what the medium holds, kept by an index of its
+    own (capacity, idle TTL, least recent first) as the medium's sweeper keeps it, and no bytes.
+    Only this engine's writes reach it (a replay is one engine's trace), and room is made at each
+    write: the sweeper's lag (it runs every ``sweep_s``) is not modelled."""
+
+    def __init__(self, name: str, *, capacity_bytes: int, ttl_s: float | None, entry_bytes: int, block_bytes: int,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(block_bytes)
+        self.name = name
+        self.clock = clock
+        self.ttl = ttl_s
+        self.entry_bytes = int(entry_bytes)
+        self.index = TierIndex(int(capacity_bytes), ttl_s, make_policy("lru"))
+        self.stats: dict = {"evicted": 0, "expired": 0}
+        self.corrupt_reasons: dict = {}
+
+    def leading(self, keys: Sequence[bytes]) -> int:
+        found = self.index.serving(keys, self.clock())
+        return found.index(False) if False in found else len(found)
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.index.serving(keys, self.clock())
+
+    def is_expired(self, key: bytes) -> bool:
+        e = self.index.entries.get(key)
+        return e is not None and e.expire_at <= self.clock()
+
+    def consult(self, what: str) -> None:
+        self.index.consulted[what] = True
+
+    def stored(self, keys: list[bytes]) -> None:
+        """Written by this engine: present now (an overwrite refreshes it), room made at once."""
+        ix, now = self.index, self.clock()
+        for k in keys:
+            e = ix.entries.get(k)
+            if e is not None and e.expire_at <= now:
+                ix.remove(k, EXPIRED)
+                self.stats["expired"] += 1
+                e = None
+            if e is not None:
+                ix.touch(e, now)
+                continue
+            e, gone = ix.reserve(k, self.entry_bytes, now)
+            for v in gone:
+                self.stats["expired" if v.reason == EXPIRED else "evicted"] += 1
+            if e is not None:
+                ix.commit(e, now)
+
+    def gone(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.index.remove(k)
+
+    def acquire(self, keys: Sequence[bytes], session: str | None = None, touch: bool = True) -> list[Entry | None]:
+        """A read refreshes a block's time (the medium's access time)."""
+        ix = self.index
+        ix.touch_many([e for e in map(ix.entries.get, keys) if e is not None], self.clock())
+        return super().acquire(keys, session, touch)
+
+    def write_many(self, entries: Sequence[Entry], srcs: Sequence[np.ndarray]) -> list[bool]:
+        return [True] * len(entries)
+
+    def read_many(self, entries: Sequence[Entry], outs: Sequence[np.ndarray]) -> list[bool]:
+        return [True] * len(entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity
+
+    def __len__(self) -> int:
+        return len(self.index)

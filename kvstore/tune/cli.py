@@ -23,6 +23,7 @@ as ``kv_connector_extra_config.config``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -33,7 +34,7 @@ from kvstore.tune import report as R
 from kvstore.tune.recommend import CostModel, objective
 from kvstore.tune.tuner import tune
 from kvstore.tune.trace_memory import load_trace
-from kvstore.tune.simulate import LOWER, TOP
+from kvstore.tune.simulate import LOWER, NAMES, TOP
 
 BYTES_PER_TOKEN = 128 << 10  # default KV bytes per token: an 8B GQA model in bf16 (32 layers x 8 KV heads x 128 x 2 x 2 B)
 
@@ -190,12 +191,14 @@ def _run(a) -> int:
     if block_bytes <= 0:
         raise ValueError(f"--block-bytes must be positive, got {block_bytes}")
     d, n = bcfg.tiers.dram, bcfg.tiers.nvme
+    others = tuple((name, tuple(dataclasses.asdict(getattr(bcfg.tiers, name)).items())) for name in NAMES[2:]
+                   if getattr(bcfg.tiers, name).enabled)  # modelled as the base has them (a shared folder)
     common = G.Common(block_bytes=block_bytes, dram_policy=a.dram_policy or d.policy,
                       nvme_policy=a.nvme_policy or n.policy,
                       dram_ttl_shared=a.dram_ttl_shared if a.dram_ttl_shared is not None else d.ttl_shared_s,
                       nvme_ttl_shared=a.nvme_ttl_shared if a.nvme_ttl_shared is not None else n.ttl_shared_s,
                       write_mode=n.write_mode, nvme_header="inline" if n.header == "inline" else "xattr",
-                      dram_headroom=d.headroom_blocks)
+                      dram_headroom=d.headroom_blocks, others=others)
     from kvstore.tiers.policy import POLICIES
 
     for pol in (common.dram_policy, common.nvme_policy):
@@ -247,6 +250,7 @@ def _run(a) -> int:
         "objective": "net value" if cost.active else "prefill tokens saved",
         **out,
         "capacity_binding": {t: an[t]["capacity_binding"] for t in (TOP, LOWER)},
+        "modelled_as_configured": {name: dict(items) for name, items in others},
         "out": a.out,
     }
     res["timing"]["load_s"] = t_load

@@ -56,6 +56,9 @@ class Common:
     write_mode: str = "write_back"
     nvme_header: str = "xattr"
     dram_headroom: int | str = "auto"  # tiers.dram.headroom_blocks (the live default)
+    # the other media the replay models as the base config has them, never searched: (name, its
+    # section's items), e.g. a shared folder below NVMe (its capacity scaled with a session sample)
+    others: tuple = ()
 
 
 def ttl_key(ttl: float | None) -> float:
@@ -69,22 +72,27 @@ def tiers_of(s: Setting, c: Common) -> dict:
                      "admit_after": full_setting(s)[4]}}
 
 
-def config_of(s: Setting, c: Common) -> StoreConfig:
-    """The store config a setting stands for (the tiers the tuner searches, at their settings)."""
+def config_of(s: Setting, c: Common, rate: float = 1.0) -> StoreConfig:
+    """The store config a setting stands for (the tiers the tuner searches, at their settings,
+    and the others as they are; ``rate``: a session sample's, scaling the others' capacities as
+    the setting's are)."""
     t = tiers_of(s, c)
     t[LOWER] = {**t[LOWER], "write_mode": c.write_mode, "header": c.nvme_header}
+    for name, items in c.others:
+        sec = dict(items)
+        t[name] = {**sec, "capacity_gb": sec["capacity_gb"] * rate}
     return from_dict({"tiers": t})
 
 
-def make_sim(s: Setting, c: Common, **kw) -> Simulator:
-    return Simulator(config_of(s, c), c.block_bytes, **kw)
+def make_sim(s: Setting, c: Common, rate: float = 1.0, **kw) -> Simulator:
+    return Simulator(config_of(s, c, rate), c.block_bytes, **kw)
 
 
 def run_point(trace: Trace, s: Setting, c: Common, rate: float = 1.0) -> dict:
     """One replay. ``rate`` < 1: ``trace`` is a session sample of that rate; capacities are
     scaled down by it and counts scaled back up, so results read as full-trace estimates."""
     s = full_setting(s)
-    sim = make_sim((s[0] * rate, s[1], s[2] * rate, s[3], s[4]), c)
+    sim = make_sim((s[0] * rate, s[1], s[2] * rate, s[3], s[4]), c, rate)
     req = sim.request
     t0 = time.perf_counter()
     for r in trace.requests():
@@ -121,8 +129,8 @@ def _unscale(r: dict, f: float) -> None:
 def _set_capacities(r: dict, s: Setting, c: Common) -> None:
     """The full-size capacities (a sampled replay ran with them scaled down)."""
     sim = make_sim(s, c, record_samples=False)
-    r["bytes_held"][TOP]["capacity"] = sim.D.capacity if sim.D is not None else 0
-    r["bytes_held"][LOWER]["capacity"] = sim.N.capacity if sim.N is not None else 0
+    for name, held in r["bytes_held"].items():
+        held["capacity"] = sim.tiers[name].capacity_bytes if name in sim.tiers else 0
 
 
 # -- worker processes (fork: the trace is inherited, not pickled) ----------------------------------

@@ -126,13 +126,17 @@ def markdown(res: dict, all_rows: bool = False) -> str:
         f" Cost model: DRAM {res['cost_model']['gb_hour_price_dram']:g}/GB-h, NVMe "
         f"{res['cost_model']['gb_hour_price_nvme']:g}/GB-h, prefill {res['cost_model']['prefill_token_price']:g}/token."
         if res.get("cost_model") else ""))
+    for name, sec in (res.get("modelled_as_configured") or {}).items():
+        out.append(f"Also modelled, as the base config has it (not searched): `tiers.{name}` capacity_gb "
+                   f"{sec['capacity_gb']:g}, ttl_s {fmt_ttl(sec.get('ttl_s'))}.")
     out += ["", "## Recommended", ""]
     out.append(f"`tiers.dram`: capacity_gb {t[TOP]['capacity_gb']:g}, ttl_s {fmt_ttl(t[TOP]['ttl_s'])}; "
                f"`tiers.nvme`: capacity_gb {t[LOWER]['capacity_gb']:g}, ttl_s {fmt_ttl(t[LOWER]['ttl_s'])}, "
                f"admit_after {t[LOWER].get('admit_after', 0)}"
                + (f" → `{res['out']}`" if res.get("out") else ""))
+    more = "".join(f", {name} {rec['hit_rate_by_tier'][name]:.1%}" for name in (res.get("modelled_as_configured") or {}))
     out.append(f"Hit rate {rec['hit_rate']:.1%} (DRAM {rec['hit_rate_by_tier'][TOP]:.1%}, NVMe "
-               f"{rec['hit_rate_by_tier'][LOWER]:.1%}; replay {rec['replay_hit_rate']:.1%}, genuine "
+               f"{rec['hit_rate_by_tier'][LOWER]:.1%}{more}; replay {rec['replay_hit_rate']:.1%}, genuine "
                f"{rec['genuine_hit_rate']:.1%}), {rec['saved_prefill_tokens']:,} prefill tokens saved"
                + (f", net value {rec['value']:,.4g}" if "value" in rec else "")
                + (f"; NVMe written {_written(rec)} per hour" if _written(rec) != "-" else "") + ".")

@@ -18,7 +18,9 @@ store call, in the order they started; within a call, a victim being written dow
 DRAM slot. Entry sizes are each stand-in's: a DRAM slot is the block rounded up to 4 KiB, the
 DRAM capacity a whole number of slots less the headroom; an NVMe file the same padded size (the
 ``xattr`` header layout, the default where the file system keeps xattrs; ``header: inline``
-adds the 4 KiB header). A medium without a stand-in (Redis, a shared folder) is left out.
+adds the 4 KiB header). A shared folder, when the config has one, is its files under the
+capacity and TTL its sweeper keeps (:class:`kvstore.tiers.nobytes.NoBytesSharedTier`). A medium
+without a stand-in (Redis: its eviction is the server's) is left out.
 
 Only prompt blocks are stored (output blocks have no keys in a trace). Keys may be any hashable
 (the tuner interns them to ints: the calls used here take them as they are). The simulator also

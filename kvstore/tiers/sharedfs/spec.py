@@ -55,6 +55,16 @@ def open_tier(ts, cfg: SharedFsConfig):
                         io_threads=cfg.io_threads)
 
 
+def stand_in(ts, cfg: SharedFsConfig):
+    """The tuner's model: the folder's files (the NVMe block format: a 4 KiB header, then the
+    payload padded to 4 KiB), under the capacity and idle TTL its sweeper keeps."""
+    from kvstore.tiers.fileformat import file_bytes
+    from kvstore.tiers.nobytes import NoBytesSharedTier
+
+    return NoBytesSharedTier(SPEC.name, capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s,
+                             entry_bytes=file_bytes(ts.block_bytes), block_bytes=ts.block_bytes, clock=ts.clock)
+
+
 def check(cfg: SharedFsConfig) -> list:
     from kvstore.tiers.nvme.folder import folder_errors
 
@@ -62,4 +72,4 @@ def check(cfg: SharedFsConfig) -> list:
 
 
 SPEC = TierSpec(name="sharedfs", order=400, config=SharedFsConfig, events=SharedFsEvents, open=open_tier,
-                hit_source="DISK", local=False, namespaced=True, check=check)
+                hit_source="DISK", local=False, namespaced=True, check=check, stand_in=stand_in)
