@@ -112,6 +112,15 @@ def test_the_shared_folder_stand_in_keeps_its_capacity_and_ttl():
     assert t.holds(k[:4]) == [True, False, False, True] and t.index.consulted["ttl"]
     t.stored(k[4:5])
     assert t.leading([k[0], k[3], k[4]]) == 3 and len(t) <= 3
+    # in a replay, what it evicts is counted (the store never sees a shared medium's evictions)
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": 4 * BB / GiB, "pin_memory": False, "headroom_blocks": 0},
+                               "nvme": {"capacity_gb": 0},
+                               "sharedfs": {"path": "/nonexistent", "capacity_gb": 6 * (BB + 4096) / GiB}}})
+    sim = Simulator.from_config(cfg, BB)
+    for i in range(4):
+        sim.request(float(i), "s", make_keys(5, seed=i), 5 * 16, 16)
+    written = sim.counts.written["sharedfs"]  # (what DRAM stored, written through)
+    assert written > 6 and sim.result()["evicted_for_capacity"]["sharedfs"] == written - 6
 
 
 def test_tune_models_a_shared_folder_of_the_base_config(mixed_trace, tmp_path):
@@ -309,6 +318,14 @@ def test_trace_keys_get_ids_by_first_appearance_whatever_the_session_does(tmp_pa
     want = [tuple(ids.setdefault(k.lower(), len(ids)) for k in bl) for _, bl in rows]
     assert tr.keys == want and tr.n_keys == 5
     assert tr.replay == [False] * 8
+    # records of keys of any length and type (a joined string would take "0x1" + ... for "0x12" + ...)
+    from kvstore.tune.trace_memory import TraceRecord
+
+    recs = [TraceRecord(float(i), s, bl, 16, 16 * len(bl), 0) for i, (s, bl) in enumerate(
+        [("x", ["0x1"]), ("x", ["0x12", "0x5"]), ("x", ["0x12", "0x5", b"k"]), ("x", ["0X12", "0x5", b"k", "0xA"])])]
+    ids = {}
+    assert from_records(recs).keys == [tuple(ids.setdefault(k.lower() if isinstance(k, str) else k, len(ids))
+                                             for k in r.blocks) for r in recs]
 
 
 # -- TTL classes: ttl_shared_s ------------------------------------------------------------------

@@ -80,7 +80,7 @@ def config_of(s: Setting, c: Common, rate: float = 1.0) -> StoreConfig:
     t[LOWER] = {**t[LOWER], "write_mode": c.write_mode, "header": c.nvme_header}
     for name, items in c.others:
         sec = dict(items)
-        t[name] = {**sec, "capacity_gb": sec["capacity_gb"] * rate}
+        t[name] = {**sec, "capacity_gb": sec["capacity_gb"] * rate} if "capacity_gb" in sec else sec
     return from_dict({"tiers": t})
 
 

@@ -119,13 +119,18 @@ class Simulator:
         """Blocks written into NVMe (demotions, write-through copies, stores)."""
         return self.counts.written[LOWER]
 
+    def _unseen(self, name: str, what: str) -> int:
+        """What a shared stand-in removed itself (the medium's sweeper: the store never sees it)."""
+        t = self.tiers.get(name)
+        return t.stats.get(what, 0) if t is not None and t.shared else 0
+
     @property
     def evicted(self) -> dict[str, int]:
-        return {n: self.counts.evicted[n] for n in NAMES}
+        return {n: self.counts.evicted[n] + self._unseen(n, "evicted") for n in NAMES}
 
     @property
     def expired(self) -> dict[str, int]:
-        return {n: self.counts.expired[n] for n in NAMES}
+        return {n: self.counts.expired[n] + self._unseen(n, "expired") for n in NAMES}
 
     @property
     def cap_used(self) -> dict[str, bool]:

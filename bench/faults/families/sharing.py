@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import time
 import traceback
@@ -18,10 +19,11 @@ from kvstore.bench.faults.families.common import _child_cmd, block_of, key_of, o
 HANDOFF = 4  # blocks the parent writes that only the last, ordered step touches
 
 
-def _wait_for(path: Path, timeout: float = 120.0) -> None:
+def _wait_for(path: Path, timeout: float = 300.0) -> None:
     end = time.monotonic() + timeout
     while not path.exists():
-        assert time.monotonic() < end, f"{path} never appeared"
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} never appeared")
         time.sleep(0.005)
 
 
@@ -111,6 +113,7 @@ def sharing(folder, *, ops: int, seed: int = 0, block_bytes: int = 16384, pre: i
     s.close()
     procs = []
     sync = folder.parent / (folder.name + ".sync")
+    shutil.rmtree(sync, ignore_errors=True)  # a go left by an earlier run would start nobody together
     sync.mkdir(mode=0o700)
     for me in (0, 1):
         job = {"role": "sharer", "id": me, "path": str(folder), "block_bytes": block_bytes, "ops": ops, "sync": str(sync),
@@ -131,6 +134,7 @@ def sharing(folder, *, ops: int, seed: int = 0, block_bytes: int = 16384, pre: i
             examples.append(err[-2000:])
             continue
         results.append(json.loads(line[7:]))
+    shutil.rmtree(sync, ignore_errors=True)
     if advance:
         advance()
     res = {"shared_processes": 2, "shared_ops": 2 * ops, "shared_wrong_reads": sum(r["wrong"] for r in results),

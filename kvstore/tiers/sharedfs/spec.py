@@ -56,13 +56,14 @@ def open_tier(ts, cfg: SharedFsConfig):
 
 
 def stand_in(ts, cfg: SharedFsConfig):
-    """The tuner's model: the folder's files (the NVMe block format: a 4 KiB header, then the
-    payload padded to 4 KiB), under the capacity and idle TTL its sweeper keeps."""
-    from kvstore.tiers.fileformat import file_bytes
+    """The tuner's model: the folder's files (a 4 KiB header, then the payload, as the sweeper
+    counts them; a codec's smaller payloads are counted whole, so a compressed folder holds more
+    than the model says), under the capacity and idle TTL its sweeper keeps."""
+    from kvstore.tiers.fileformat import HEADER_BYTES
     from kvstore.tiers.nobytes import NoBytesSharedTier
 
     return NoBytesSharedTier(SPEC.name, capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s,
-                             entry_bytes=file_bytes(ts.block_bytes), block_bytes=ts.block_bytes, clock=ts.clock)
+                             entry_bytes=HEADER_BYTES + ts.block_bytes, block_bytes=ts.block_bytes, clock=ts.clock)
 
 
 def check(cfg: SharedFsConfig) -> list:
