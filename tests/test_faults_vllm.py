@@ -86,8 +86,11 @@ def test_one_engine_deletes_and_rewrites_files_while_another_loads(tiny_model, t
     base = {"model": tiny_model, "store": store, "prompts": prompts, "max_tokens": 12}
     first = _result(_start({**base, "rounds": 1, "dram_gb": 0}))  # fills the folder
     ref = first["rounds"][0]["tokens"]
-    b = _start({**base, "rounds": 40, "dram_gb": 0, "nvme_gb": 12 * 135168 / 2 ** 30})  # outlasts A's 8
-    a = _start({**base, "rounds": 8, "dram_gb": 0})
+    # B's rounds outlast A's 8, and A starts its rounds once B has done one: an engine's start-up
+    # (10-40 s on a loaded machine) could otherwise let A finish before B deleted anything
+    go = str(tmp_path / "b-running")
+    b = _start({**base, "rounds": 40, "dram_gb": 0, "nvme_gb": 12 * 135168 / 2 ** 30, "signal": go})
+    a = _start({**base, "rounds": 8, "dram_gb": 0, "wait_for": go})
     ra, rb = _result(a), _result(b)
     for r in (ra, rb):
         for rnd in r["rounds"]:

@@ -2,7 +2,9 @@
 
     python tests/vllm_driver.py '{"model": DIR, "store": DIR, "prompts": [[ids...]], "rounds": 2}'
 
-Optional keys: "extra" (more kv_connector_extra_config, e.g. ``{"mode": "node"}``), "mp" (vLLM's multiprocess executor: the worker, and the store, in another process
+Optional keys: "extra" (more kv_connector_extra_config, e.g. ``{"mode": "node"}``), "signal" (a
+file made once the first round is done) and "wait_for" (a file to wait for before the first
+round: another engine's signal), "mp" (vLLM's multiprocess executor: the worker, and the store, in another process
 than the scheduler, which reaches it over the RPC socket), "tp" (tensor-parallel ranks; their
 workers are always processes of their own), "dtype", "block_size", "max_tokens".
 
@@ -36,9 +38,17 @@ def main() -> None:
                  mp=bool(job.get("mp")), **({"dtype": job["dtype"]} if job.get("dtype") else {}),
                  **({"tensor_parallel_size": job["tp"]} if job.get("tp") else {}))
     rounds = []
-    for _ in range(job.get("rounds", 1)):
+    if job.get("wait_for"):  # another engine's first round done: the two run side by side
+        import time
+
+        end = time.monotonic() + 600
+        while not os.path.exists(job["wait_for"]) and time.monotonic() < end:
+            time.sleep(0.05)
+    for i in range(job.get("rounds", 1)):
         tokens, cached = eng.generate(job["prompts"], job.get("max_tokens", 16), reset=True)
         rounds.append({"tokens": tokens, "cached": cached})
+        if i == 0 and job.get("signal"):
+            open(job["signal"], "w").close()
     counters = {}
     from kvstore.offload import shared as shared_mod
 
