@@ -18,7 +18,9 @@ from kvstore.tune import Simulator, from_records, load_trace, synth_records
 from kvstore.tune import grid as G
 from kvstore.tune.cli import main as tune_main
 from kvstore.tune.trace_memory import write_records
-from kvstore.tune.tuner import choose, tune
+from kvstore.tune.recommend import setting
+from kvstore.tune.simulate import LOWER, TOP
+from kvstore.tune.tuner import MIN_SAMPLED_SESSIONS, SCREEN_LIMIT, candidates, choose, tune
 from store_replay import replay_store
 
 from conftest import FP, dram_gb, make_keys
@@ -265,9 +267,12 @@ def test_admission_that_costs_hits_is_not_recommended_and_writes_per_hour_are_re
 
 
 def test_sampled_screening_then_whole_trace(mixed_trace):
-    assert choose(1_000_000, 100_000, 504, 45, n_visits=50_000_000) == ("staged", pytest.approx(0.0444, abs=1e-3))
-    assert choose(1_000_000, 100_000, 504, 45, n_visits=1_000_000)[1] == 1.0  # short requests: no sampling
-    assert choose(2000, 200, 504, 45) == ("full", 1.0)
+    # 100,000 agent requests of 15 blocks, the default 24 settings: screened on a sample of SCREEN_LIMIT's worth
+    assert choose(100_000, 10_000, 24, 24, n_visits=1_500_000) == ("full", round(SCREEN_LIMIT / (24 * 1_500_000), 4))
+    # a sample keeps at least MIN_SAMPLED_SESSIONS sessions
+    assert choose(1_000_000, 100_000, 504, 45, n_visits=50_000_000) == ("staged", MIN_SAMPLED_SESSIONS / 100_000)
+    assert choose(2000, 200, 504, 45) == ("full", 1.0)  # within SCREEN_LIMIT: every setting on the whole trace
+    assert choose(20_000, 100, 24, 24, n_visits=1_500_000)[1] == 1.0  # a sample of over half: the whole trace
     sm = mixed_trace.sample_sessions(0.5)
     assert 10 < sm.n_sessions < 40 and set(sm.session) <= set(mixed_trace.session)
     gb = BB / GiB
@@ -278,6 +283,22 @@ def test_sampled_screening_then_whole_trace(mixed_trace):
     scaled = [p for p in res["grid"] if p["sample_rate"] == 0.5 and p["nvme_written_bytes"]]
     assert scaled and all(p["nvme_written_bytes_per_hour"] == pytest.approx(p["nvme_written_bytes"] * 3600 / p["duration_s"])
                           for p in scaled)  # counts scaled back up, the rate recomputed from them
+
+
+def test_the_whole_trace_replays_the_screens_pick_and_its_best():
+    """A sampled screen sends its pick and its best setting to the whole trace: the pick is the
+    smallest within the tolerance, and on a sample that one can fall short of the best."""
+    def point(gb: float, saved: int) -> dict:
+        return {"prompt_tokens": 100_000, "saved_prefill_tokens": saved, "hit_tokens_by_tier": {TOP: saved, LOWER: 0},
+                "bytes_held": {TOP: {"mean": gb * GiB}, LOWER: {"mean": 0.0}}, "nvme_written_bytes": 0,
+                "tiers": {TOP: {"capacity_gb": gb, "ttl_s": 600}, LOWER: {"capacity_gb": 0.0, "ttl_s": None, "admit_after": 0}}}
+
+    a, b, c = point(8, 99_950), point(16, 99_920), point(32, 100_000)  # within 0.1 % of the prompt tokens: all three
+    pts = [c, b, a]
+    assert candidates(pts, None, 0.1, 1) == [setting(a)]  # the pick: the smallest
+    assert candidates(pts, None, 0.1, 2) == [setting(a), setting(c)]  # the pick's runner-up gives way to the best
+    assert candidates(pts, None, 0.1, 3) == [setting(a), setting(b), setting(c)]
+    assert candidates([a, c], None, 0.1, 2) == [setting(a), setting(c)]
 
 
 # -- traces ------------------------------------------------------------------------------------

@@ -50,27 +50,18 @@ class Gate:
             self._depth.n = depth
             with self._cv:
                 self.calls -= 1
-                self._cv.notify_all()
+                if self._state != OPEN:  # only a close waits on the counts (drain, after begin_close)
+                    self._cv.notify_all()
 
     def opened(self) -> None:
         with self._cv:
             self.handles += 1
 
-    @contextmanager
-    def ending(self):
-        """The end of a handle: yields whether the tiers are still there (False once the close
-        is past waiting: the end then touches nothing), and counts the handle ended."""
-        with self._cv:
-            live = self._state != CLOSED
-            if live:
-                self.calls += 1
-        try:
-            yield live
-        finally:
-            with self._cv:
-                self.calls -= live
-                self.handles -= 1
-                self._cv.notify_all()
+    def ending(self) -> "_Ending":
+        """The end of a handle: ``with gate.ending() as live`` (False once the close is past
+        waiting: the end then touches nothing); counts the handle ended. A class, not a
+        generator: every load and store ends through it (kvstore tune replays 2-4 a request)."""
+        return _Ending(self)
 
     def begin_close(self) -> bool:
         """Refuse new calls; False if the close had begun already (one closer closes)."""
@@ -89,3 +80,27 @@ class Gate:
             self._cv.wait_for(lambda: self.calls <= mine and self.handles <= 0, max(0.0, end - time.monotonic()))
             self._state = CLOSED
             return self.calls - mine, max(0, self.handles)
+
+
+class _Ending:
+    __slots__ = ("gate", "live")
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.live = False
+
+    def __enter__(self) -> bool:
+        g = self.gate
+        with g._cv:
+            self.live = live = g._state != CLOSED
+            if live:
+                g.calls += 1
+        return live
+
+    def __exit__(self, *exc) -> None:
+        g = self.gate
+        with g._cv:
+            g.calls -= self.live
+            g.handles -= 1
+            if g._state != OPEN:
+                g._cv.notify_all()
