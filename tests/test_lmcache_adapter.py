@@ -102,6 +102,8 @@ def pins(ad):
 
 if mode == "local":
     # -- store, lookup and lock, load, unlock -----------------------------------------------------
+    import kvstore.connectors.lmcache.adapter as A
+    A.STAGE_BYTES = 2 * (CHUNK + 4096)  # a worker stages two chunks: a task of six is put in three slices
     ad = make(params())
     facts["is_interface"] = isinstance(ad, L2AdapterInterface)
     facts["fds"] = [ad.get_store_event_fd(), ad.get_lookup_and_lock_event_fd(), ad.get_load_event_fd()]
@@ -132,7 +134,18 @@ if mode == "local":
     ad.submit_unlock(keys + absent)
     facts["pins_unlocked"] = pins(ad)
     facts["usage"] = ad.get_usage().total_bytes_used
-    l1.free(src + dst + odst)
+    # gaps: each stored run is pinned by one call; a chunk unlocked alone leaves its run's others loadable
+    gap = [keys[0], absent[0], keys[1], keys[2], absent[1], keys[3]]
+    facts["lookup_gaps"] = lookup(ad, gap)
+    facts["pins_gaps"] = pins(ad)
+    ad.submit_unlock([keys[1]])
+    g = alloc(3)
+    facts["load_after_partial_unlock"] = load(ad, [keys[0], keys[2], keys[3]], g)
+    facts["gap_bytes_equal"] = [bytes(o.byte_array) == want[i] for o, i in zip(g, (0, 2, 3))]
+    facts["pins_partial"] = pins(ad)
+    ad.submit_unlock([keys[0], keys[2], keys[3]])
+    facts["pins_after_gaps"] = pins(ad)
+    l1.free(src + dst + odst + g)
 
     # -- a second thread storing while the first looks up, loads and unlocks ------------------------
     more = [key(200 + i) for i in range(12)]
@@ -393,6 +406,15 @@ def test_store_lookup_lock_load_unlock_round_trip(facts):
     assert facts["load"] == [0, 1, 2, 3, 4, 5] and all(facts["bytes_equal"])
     assert facts["pins_unlocked"] == 0
     assert facts["usage"] > 0
+
+
+def test_a_lookup_with_gaps_and_a_partial_unlock(facts):
+    """A lookup pins each run of stored chunks in one call (the NVMe tier reads it at depth); the
+    run's pins end with its last chunk's unlock, never before a chunk still locked is loaded."""
+    assert facts["lookup_gaps"] == [0, 2, 3, 5] and facts["pins_gaps"] == 4
+    assert facts["load_after_partial_unlock"] == [0, 1, 2] and all(facts["gap_bytes_equal"])
+    assert facts["pins_partial"] == 4  # keys[1]'s pin is its run's, ended with keys[2]'s unlock
+    assert facts["pins_after_gaps"] == 0
 
 
 def test_another_layout_is_a_miss_and_never_copied(facts):

@@ -14,8 +14,13 @@ How LMCache's objects become kvstore blocks:
   only if its header is whole and its layout is the one LMCache asks for; a load copies only
   into an object of the same layout and length. Everything else (a block kvstore could not read,
   a bad checksum, a forged Redis value) is already a miss in kvstore: nothing here reads around it.
-* Lookup-and-lock reads each found block (``KVStore.begin_load``: pinned, checksum verified) and
-  keeps it pinned until ``submit_unlock``; the bitmap says only what was read intact.
+* Lookup-and-lock reads the found blocks (``KVStore.begin_load``: pinned, checksum verified), a
+  task's chunks in one call while they are stored one after another (the NVMe tier then reads them
+  at depth; a call per chunk read one at a time), and keeps them pinned until ``submit_unlock``;
+  the bitmap says only what was read intact.
+* A store task is staged in page-aligned rows each worker thread keeps (at most ``STAGE_BYTES``,
+  the task put in slices of that): a fresh array per task cost its first-touch page faults, and
+  an O_DIRECT write from unaligned rows went through the tier's bounce buffer.
 
 LMCache's own L2 eviction is left off (``max_capacity_bytes`` 0): kvstore evicts by its own
 capacity, policy and TTL, and ``get_usage`` reports what its tiers hold.
@@ -37,6 +42,7 @@ from kvstore.config import load_config
 from kvstore.configfields import UNKNOWN_KEY, ConfigError
 from kvstore.keys import ModelFingerprint, encode
 from kvstore.store import KVStore
+from kvstore.tiers.memory import PAGE, alloc_aligned
 from kvstore.tiers.registry import SPECS
 
 from lmcache.lmcache_native import Bitmap
@@ -52,6 +58,7 @@ _HEAD = struct.Struct("<8sQ16s")  # magic, the object's length, its layout diges
 # kvstore's event vocabulary (events.<medium>.medium) -> LMCache's memory segments
 _SEGMENT = {"CPU": "DRAM", "GPU": "VRAM", "STORAGE": "STORAGE"}
 PARAMS = ("config", "chunk_bytes", "namespace", "workers")
+STAGE_BYTES = 64 << 20  # a worker's staging rows for a store task (a larger task is put in slices)
 
 
 def _param_error(key: str, value: Any, allowed: str) -> ConfigError:
@@ -72,14 +79,28 @@ def _obj_layout(obj) -> bytes:
     return _layout(shapes, dtypes)
 
 
-class _Locked:
-    """One lookup's pin on one block: ended by its unlock, or by the last load still copying out
-    of it when the unlock came first."""
+class _Pinned:
+    """One ``begin_load`` of a lookup: its handle holds the pins of several chunks, ended once
+    the last of them is done (``left``: chunks still locked or being loaded)."""
 
-    __slots__ = ("handle", "users", "unlocked")
+    __slots__ = ("handle", "left")
 
     def __init__(self, handle):
-        self.handle, self.users, self.unlocked = handle, 0, False
+        self.handle, self.left = handle, 0
+
+
+class _Locked:
+    """One lookup's lock on one chunk (block ``i`` of a :class:`_Pinned`): done at its unlock, or
+    by the last load still copying out of it when the unlock came first."""
+
+    __slots__ = ("pinned", "i", "users", "unlocked")
+
+    def __init__(self, pinned: _Pinned, i: int):
+        self.pinned, self.i, self.users, self.unlocked = pinned, i, 0, False
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.pinned.handle.views[self.i]
 
 
 class KVStoreL2Adapter(L2AdapterInterface):
@@ -103,6 +124,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._looked: dict[int, Bitmap] = {}
         self._loaded: dict[int, Bitmap] = {}
         self._pins: dict[bytes, list[_Locked]] = {}
+        self._tls = threading.local()  # each worker's staging rows
         self._closed = False
         self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}  # three distinct fds
 
@@ -178,12 +200,22 @@ class KVStoreL2Adapter(L2AdapterInterface):
             out, self._stored = self._stored, {}
         return out
 
+    def _stage(self) -> np.ndarray:
+        """This worker's staging rows (page aligned, pre-faulted, kept for its next tasks)."""
+        rows = getattr(self._tls, "rows", None)
+        if rows is None:
+            row = -(-self.block_bytes // PAGE) * PAGE
+            n = max(1, STAGE_BYTES // row)
+            rows = self._tls.rows = alloc_aligned(n * row)[1].reshape(n, row)
+        return rows
+
     def _store(self, tid: int, keys, objects) -> None:
         ok, nbytes = True, 0
         try:
             if len(keys) != len(objects):
                 raise ValueError(f"{len(keys)} keys for {len(objects)} objects")
-            ks, rows, sizes = [], np.empty((len(keys), self.block_bytes), np.uint8), []
+            rows = self._stage()
+            ks, sizes = [], []
             for k, obj in zip(keys, objects):
                 src = np.frombuffer(obj.byte_array, np.uint8)
                 if src.size > self.chunk_bytes:  # the task fails (LMCache reports tasks, not keys)
@@ -198,14 +230,21 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 row[HEADER + src.size:] = 0  # the padding: zeros, never this process's old memory
                 ks.append(self._key(k))
                 sizes.append(src.size)
+                if len(ks) == len(rows):
+                    nbytes += self._put(ks, rows, sizes)
+                    ks, sizes = [], []
             if ks:
-                n = self.store.put(ks, rows[: len(ks)])
-                # put says how many were new, not which: the bytes written, in proportion
-                nbytes = sum(sizes) * n // len(ks)
+                nbytes += self._put(ks, rows, sizes)
         except Exception:
             log.exception("kvstore: LMCache store task %d failed", tid)
             ok = False
         self._done("_stored", tid, L2StoreResult(ok, nbytes), "store")
+
+    def _put(self, ks: list[bytes], rows: np.ndarray, sizes: list[int]) -> int:
+        """Put staged rows (done with them on return); the bytes newly stored: put says how many
+        blocks were new, not which, so in proportion."""
+        n = self.store.put(ks, rows[: len(ks)])
+        return sum(sizes) * n // len(ks)
 
     # -- lookup and lock -----------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys, group_layout_descs=None) -> int:
@@ -219,16 +258,27 @@ class KVStoreL2Adapter(L2AdapterInterface):
         bits = Bitmap(len(keys))
         try:
             want = {g: _layout(d.shapes, d.dtypes) for g, d in descs.items()}
-            for i, k in enumerate(keys):
-                kk = self._key(k)
-                h = self.store.begin_load([kk])  # pinned and read: a bad checksum is a miss here
-                head = self._header(h.views[0]) if h.num_blocks == 1 else None
-                if head is None or (k.object_group_id in want and head[1] != want[k.object_group_id]):
-                    self.store.end_load(h)
-                    continue
+            kks = [self._key(k) for k in keys]
+            i = 0
+            while i < len(keys):
+                # the stored run of chunks from i, pinned and read in one call (a bad checksum ends
+                # the run there: a miss); the chunk after the run is a miss, the next call starts past it
+                h = self.store.begin_load(kks[i:])
+                pinned, found = _Pinned(h), []
+                for j in range(h.num_blocks):
+                    head = self._header(h.views[j])
+                    g = keys[i + j].object_group_id
+                    if head is not None and (g not in want or head[1] == want[g]):
+                        found.append(j)
+                pinned.left = len(found)
                 with self._lock:
-                    self._pins.setdefault(kk, []).append(_Locked(h))
-                bits.set(i)
+                    for j in found:
+                        self._pins.setdefault(kks[i + j], []).append(_Locked(pinned, j))
+                if not found:
+                    self.store.end_load(h)
+                for j in found:
+                    bits.set(i + j)
+                i += h.num_blocks + 1
         except Exception:
             log.exception("kvstore: LMCache lookup task %d failed (the keys after the failure are misses)", tid)
         self._done("_looked", tid, bits, "lookup")
@@ -252,9 +302,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     del self._pins[kk]
                 lk.unlocked = True
                 if lk.users == 0:
-                    ending.append(lk.handle)
+                    ending += self._done_with(lk)
         for h in ending:
             self._end(h)
+
+    @staticmethod
+    def _done_with(lk: _Locked) -> list:
+        """(Under the lock.) A chunk's lock is over: its handle, to end, once it was the last one's."""
+        p = lk.pinned
+        p.left -= 1
+        return [p.handle] if p.left == 0 else []
 
     def _end(self, h) -> None:
         try:
@@ -290,11 +347,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
             lk = held[-1] if held else None
             if lk is not None:
                 lk.users += 1  # an unlock meanwhile leaves the unpin to us
-        h = lk.handle if lk is not None else self.store.begin_load([kk])  # not locked first: read it now
+        h = None if lk is not None else self.store.begin_load([kk])  # not locked first: read it now
         try:
-            if h.num_blocks != 1:
+            if h is not None and h.num_blocks != 1:
                 return False
-            block = h.views[0]
+            block = lk.view if lk is not None else h.views[0]
             head = self._header(block)
             dst = np.frombuffer(obj.byte_array, np.uint8)
             if head is None or head[0] != dst.size or head[1] != _obj_layout(obj):
@@ -307,9 +364,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             else:
                 with self._lock:
                     lk.users -= 1
-                    last = lk.unlocked and lk.users == 0
-                if last:
-                    self._end(h)
+                    ending = self._done_with(lk) if lk.unlocked and lk.users == 0 else []
+                for e in ending:
+                    self._end(e)
 
     # -- what LMCache asks besides -------------------------------------------------------------
     def get_usage(self) -> AdapterUsage:
@@ -342,7 +399,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
-            held = [lk.handle for v in self._pins.values() for lk in v]
+            held = list({id(lk.pinned): lk.pinned.handle for v in self._pins.values() for lk in v}.values())
             self._pins.clear()
         for h in held:
             self._end(h)
