@@ -35,6 +35,11 @@ def _args(mod, argv: list[str]) -> argparse.Namespace:
 
 # -- tiers -------------------------------------------------------------------------------------
 
+def paired(r: dict) -> float:
+    """A row's ratio: the median over its repeats of GB/s / that repeat's limit (bench/common/paired.py)."""
+    return statistics.median(g / lim for g, lim in zip(r["gbps_runs"], r["limit_runs"]))
+
+
 def test_tiers_small(tmp_path, capsys):
     out = tmp_path / "out"
     data = tiers.run(_args(tiers, ["--total-mb", "16", "--block-tokens", "16,32", "--layers", "2", "--concurrency",
@@ -48,7 +53,8 @@ def test_tiers_small(tmp_path, capsys):
     for r in rows:
         assert r["verified"] is True
         assert r["gbps"] > 0 and r["limit_gbps"] > 0
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"])
+        assert r["ratio"] == pytest.approx(paired(r)) and r["limit_gbps"] == pytest.approx(statistics.median(r["limit_runs"]))
+        assert r["repeats"] == 2 and r["stalls"] == []  # no stall rule under 3 repeats
         assert 0 < r["p50_ms"] <= r["p99_ms"]
         assert r["block_bytes"] == 2 * 2 * 8 * 128 * 2 * r["block_tokens"]
         assert r["limit"].startswith("memcpy" if r["tier"] == "dram" else ("O_DIRECT", "fsync"))
@@ -66,6 +72,43 @@ def test_tiers_small(tmp_path, capsys):
     assert "| tier | op | codec |" in text and "ratio" in text
 
 
+def test_a_stalled_phase_is_run_again_once_and_a_ratio_pairs_the_repeats():
+    """The statistic (bench/common/paired.py): a phase under 0.6 of its series' median is run again
+    once and only its figure replaced; a row's ratio is the median of its repeats' ratios."""
+    from kvstore.bench.common.paired import paired_median, stalled
+    from kvstore.bench.tiers.local import _rerun_stalls
+    from kvstore.bench.tiers.report import stalls_cell
+
+    assert stalled([1.0, 1.0, 0.5, 1.0, 1.1]) == [2] and stalled([1.0, 0.61, 1.0]) == []
+    assert stalled([1.0, 0.1]) == []  # under 3 repeats: no rule
+    assert paired_median([2.0, 4.0, 1.0], [1.0, 2.0, 2.0]) == 2.0  # ratios 2, 2, 0.5 (medians: 2 / 2 = 1)
+    assert paired_median([None, 1.0], [1.0, 2.0]) == 0.5
+    # five repeats of 1 GB (1 s = 1 GB/s): the limit's write stalls in repeat 1, the store's get in repeat 3
+    lims = [{"put": 1.0, "get": 1.0} for _ in range(5)]
+    lims[1]["put"] = 2.5
+    got = {"store": [{"put_s": 1.0, "get_s": 1.0, "verified": True} for _ in range(5)]}
+    got["store"][3]["get_s"] = 4.0
+    calls = []
+
+    def limit_phase():
+        calls.append("limit")
+        return {"put": 1.25, "get": 9.0}
+
+    def path_phase(path, r, again=False):
+        calls.append((path, r, again))
+        return {"put_s": 7.0, "get_s": 1.1, "get_lat": [1.1], "verified": True}
+
+    out = _rerun_stalls(lims, got, ["store"], ("put", "get"), 1e9, limit_phase, path_phase)
+    assert calls == ["limit", ("store", 3, True)]  # each stalled phase's round once, nothing else
+    assert lims[1] == {"put": 1.25, "get": 1.0}  # the stalled figure replaced, the other kept
+    assert got["store"][3] == {"put_s": 1.0, "get_s": 1.1, "get_lat": [1.1], "verified": True}
+    assert [(x["phase"], x["repeat"]) for x in out] == [("limit put", 1), ("store get", 3)]
+    assert out[0]["of_median"] == pytest.approx(0.4) and out[0]["again"] == pytest.approx(0.8)
+    assert out[1]["of_median"] == pytest.approx(0.25) and out[1]["again"] == pytest.approx(1 / 1.1)
+    assert stalls_cell({"stalls": out}) == "2" and stalls_cell({"stalls": []}) == "0"
+    assert stalls_cell({"stalls": [{**out[0], "again": 0.5}, out[1]]}) == "2 (1 again)"
+
+
 def test_tiers_sharedfs_beside_the_buffered_and_o_direct_limits_of_its_folder(tmp_path):
     """The shared-folder tier alone (DRAM and NVMe off): its put and get from 1 and 2 callers, the
     bytes read back verified, each beside the better of a buffered file per block and O_DIRECT rows
@@ -79,7 +122,7 @@ def test_tiers_sharedfs_beside_the_buffered_and_o_direct_limits_of_its_folder(tm
     for r in rows:
         assert r["verified"] is True and r["gbps"] > 0 and r["limit_gbps"] > 0
         assert r["limit"].startswith(("buffered", "O_DIRECT", "fsync")), r["limit"]
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"]) and 0 < r["ratio"] < 3.0, r
+        assert r["ratio"] == pytest.approx(paired(r)) and 0 < r["ratio"] < 3.0, r
         assert r["disk_bytes"] == r["stored_bytes"] == r["blocks"] * (r["block_bytes"] + 4096)  # the files, headers in
     assert not list(tmp_path.glob("*/shared/kvstore-*"))  # each path's folder removed after it
 
@@ -124,7 +167,7 @@ def test_tiers_nvme_paths_share_each_limit(tmp_path):
         (p, o, c) for p in paths for o in ("put", "get", "put_full") for c in (1, 2)}
     for r in rows:
         assert r["verified"] is True and r["get_returned_min"] == r["blocks"]
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"]) and len(r["gbps_runs"]) == 2
+        assert r["ratio"] == pytest.approx(paired(r)) and len(r["gbps_runs"]) == 2
         assert r["cpu_us_blk"] > 0
         twins = [t for t in rows if t["op"] == r["op"] and t["concurrency"] == r["concurrency"]]
         assert len(twins) == 3 and all(t["limit_runs"] == r["limit_runs"] for t in twins)  # one limit per round

@@ -57,7 +57,8 @@ def test_rows_beside_the_peer(tmp_path):
     data = tiers.run(_args(SMALL + ["--tiers", "dram,nvme", "--nvme-paths", "store,blockio", "--dir", str(tmp_path)]))
     rows = data["results"]
     assert {r["path"] for r in rows if r["tier"] == "nvme"} == {"store", "blockio"}
-    peer_rows = [{**r, "path": "lmcache", "gbps": r["gbps"] / 2, "ratio": r["ratio"] / 2, "cpu_us_blk": 7.0}
+    peer_rows = [{**r, "path": "lmcache", "gbps": r["gbps"] / 2, "gbps_runs": [g / 2 for g in r["gbps_runs"]],
+                  "ratio": r["ratio"] / 2, "cpu_us_blk": 7.0}
                  for r in rows if r["path"] == "store" and r["op"] != "put_full"]  # the peer: put and get
     table = peer_table(rows + peer_rows)
     lines = [ln for ln in table.splitlines() if ln.startswith("| dram") or ln.startswith("| nvme")]

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import secrets
+import statistics
 
 import pytest
 
@@ -48,7 +49,7 @@ def _check_rows(rows: list[dict], concurrency: list[int]) -> None:
         assert r["mac"] is (r["tier"] == "remote+mac")
         assert r["verified"] is True, r
         assert r["gbps"] > 0 and r["limit_gbps"] > 0
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["limit_gbps"])
+        assert r["ratio"] == pytest.approx(statistics.median(g / lim for g, lim in zip(r["gbps_runs"], r["limit_runs"])))
         assert r["limit"] == f"redis {'SET' if r['op'] == 'put' else 'GETEX'} x{r['concurrency']}"
         assert r["get_returned_min"] == r["blocks"] and r["limit_bad_values"] == 0
         mac = MAC_BYTES if r["mac"] else 0  # the MAC'd values carry 32 bytes more

@@ -57,6 +57,7 @@ import tempfile
 import numpy as np
 
 from kvstore.bench.common import harness
+from kvstore.bench.common.paired import REPEATS
 from kvstore.bench.tiers.kvdata import KINDS
 from kvstore.bench.tiers.kvdata import fill as fill_kv
 from kvstore.bench.tiers.limits import memcpy_gbps, odirect_gbps
@@ -69,7 +70,7 @@ __all__ = ["DEFAULTS", "REMOTE_HEADER", "add_args", "main", "plot", "render", "r
 
 DEFAULTS = {
     "total_mb": 512, "block_tokens": "16,32,128", "layers": 32, "kv_heads": 8, "head_size": 128, "dtype_bytes": 2,
-    "batch": 32, "concurrency": "1,4", "io_threads": 4, "repeats": 3, "tiers": "dram,nvme", "codecs": "none",
+    "batch": 32, "concurrency": "1,4", "io_threads": 4, "repeats": REPEATS, "tiers": "dram,nvme", "codecs": "none",
     "dir": None, "o_direct": "auto", "json": None, "plots": None, "kv_data": "auto",
     "redis_url": None, "redis_timeout_ms": 10000, "nvme_paths": "store", "engine_backend": "auto",
     "engine_depth": None, "peer": None,

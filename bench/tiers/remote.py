@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from kvstore.bench.common import stores
+from kvstore.bench.common.paired import paired_median, stalled
 from kvstore.bench.tiers.ops import fingerprint, not_measured, pct, run_op, timed_get
 from kvstore.keys import chain_keys
 from kvstore.store import KVStore
@@ -196,14 +197,19 @@ def _row(op: str, mac: bool, run: dict, lim: dict, codec: str, bt: int, bb: int,
     none_bytes = bb + REMOTE_HEADER + (MAC_BYTES if mac else 0)
     gbps = nbytes / statistics.median(run[op]) / 1e9
     limit = nbytes / statistics.median(lim[op]) / 1e9
+    gbps_runs, limit_runs = [nbytes / t / 1e9 for t in run[op]], [nbytes / t / 1e9 for t in lim[op]]
+    # a round opens its own stores, so a stalled phase is counted here, not re-run (its row says so)
+    stalls = [{"phase": f"{who} {op}", "repeat": i, "of_median": xs[i] / statistics.median(xs), "again": None}
+              for who, xs in (("limit", limit_runs), ("store", gbps_runs)) for i in stalled(xs)]
     return {"tier": "remote+mac" if mac else "remote", "op": op, "codec": codec, "block_tokens": bt, "block_bytes": bb,
             "concurrency": c, "gbps": gbps, "limit": f"redis {'SET' if op == 'put' else 'GETEX'} x{c}",
-            "limit_gbps": limit, "ratio": gbps / limit, "p50_ms": pct(run[f"{op}_lat"], 0.5),
+            "limit_gbps": limit, "ratio": paired_median(gbps_runs, limit_runs), "ratio_of_medians": gbps / limit,
+            "repeats": len(run[op]), "stalls": stalls, "p50_ms": pct(run[f"{op}_lat"], 0.5),
             "p99_ms": pct(run[f"{op}_lat"], 0.99), "verified": run["ok"], "mac": mac,
             "stored_bytes": int(used), "disk_bytes": None, "comp_ratio": nbytes / used if used else None,
             "capacity_gain": none_bytes * n / used if used else None, "blocks_per_gb": n / used * 1e9 if used else None,
             "blocks": n, "get_returned_min": min(run["got"]) if run["got"] else None,
-            "gbps_runs": [nbytes / t / 1e9 for t in run[op]], "limit_runs": [nbytes / t / 1e9 for t in lim[op]],
+            "gbps_runs": gbps_runs, "limit_runs": limit_runs,
             "limit_alt_runs": [], "limit_p50_ms": pct(lim[f"{op}_lat"], 0.5),
             "limit_p99_ms": pct(lim[f"{op}_lat"], 0.99), "limit_bad_values": lim["bad"][0],
             "put_via": put_via if op == "put" else "no local tier"}

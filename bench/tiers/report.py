@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstore.bench.common.paired import STALL, paired_median, rule
 from kvstore.bench.common.report import Figures, markdown_table
 from kvstore.bench.tiers.remote import REMOTE_HEADER
 
@@ -20,17 +21,21 @@ def render(data: dict) -> str:
             f"(fewer where a caller would otherwise have none: bench/tiers/ops.py, call_batch).\n")
     for what in data.get("kv_data", []):
         head += f"Block contents: {what}.\n"
-    head += ("ratio = GB/s / limit. comp = raw bytes / bytes the tier holds for them (files at their real size); "
-             "cap x = blocks per GB vs codec none on the same tier.\n")
+    head += (rule(data["params"]["repeats"]) + " GB/s and limit GB/s are each their own series' median. comp = raw "
+             "bytes / bytes the tier holds for them (files at their real size); cap x = blocks per GB vs codec none "
+             "on the same tier.\n")
+    if any(r["tier"].startswith("remote") for r in data["results"]):
+        head += "remote rows: a stall is counted, not re-run (each repeat opens its own stores and Redis keys).\n"
     results = data["results"]
     rows = [{**r, "mib": r["block_bytes"] / 2**20, "op": OPS.get(r["op"], r["op"]),
              "ok": {True: "yes", False: "NO", None: "lossy, in bound"}[r["verified"]]
              + ("" if r.get("get_returned_min") in (None, r.get("blocks")) else
-                f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)")} for r in results]
+                f" (get returned {r['get_returned_min']}/{r['blocks']} blocks)"), "stalls": stalls_cell(r)}
+            for r in results]
     cols = ["tier", "op", "codec", "block_tokens", "mib", "concurrency", "gbps", "limit", "limit_gbps", "ratio",
-            "comp_ratio", "capacity_gain", "p50_ms", "p99_ms", "ok"]
-    names = ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s", "limit", "limit GB/s", "ratio", "comp",
-             "cap x", "p50 ms", "p99 ms", "bytes ok"]
+            "stalls", "comp_ratio", "capacity_gain", "p50_ms", "p99_ms", "ok"]
+    names = ["tier", "op", "codec", "tokens/blk", "MiB/blk", "threads", "GB/s", "limit", "limit GB/s", "ratio",
+             "stalls", "comp", "cap x", "p50 ms", "p99 ms", "bytes ok"]
     if any(r.get("path", "store") != "store" for r in results):
         for r in rows:
             eng = f" (engine {r['engine']})" if r.get("engine") else ""
@@ -45,7 +50,8 @@ def render(data: dict) -> str:
     if peer:
         out += (f"\n\nkvstore beside {data.get('peer') or 'the peer'} (its local CPU / disk backend, O_DIRECT on, driven "
                 "as its StorageManager drives them; same bytes, threads, folder; interleaved, rotated order each "
-                "repeat). Each store's ratio is to the same row's limit; x = kvstore GB/s / LMCache GB/s.\n\n" + peer)
+                "repeat). Each store's ratio is to the same row's limit; x = the median over the repeats of kvstore's GB/s / "
+                "LMCache's in the same repeat.\n\n" + peer)
     if data.get("peer") and not peer:
         out += f"\n\nPeer: {data['peer']}"
     remote = [r for r in data["results"] if r["tier"] == "remote"]
@@ -72,6 +78,21 @@ def render(data: dict) -> str:
     return out
 
 
+def stalls_cell(r: dict) -> str:
+    """How many phases of a row stalled, and how many stalled again when re-run (or were not re-run)."""
+    st = r.get("stalls") or []
+    if not st:
+        return "0" if "stalls" in r else ""
+    again = sum(1 for x in st if x.get("again") is None or x["again"] < STALL)
+    return f"{len(st)} ({again} again)" if again else str(len(st))
+
+
+def _x(a: dict, b: dict) -> float | None:
+    """a's GB/s / b's: the median over the repeats of the two paths' figures in the same repeat."""
+    x = paired_median(a.get("gbps_runs") or [], b.get("gbps_runs") or [])
+    return x if x is not None else (a["gbps"] / b["gbps"] if b["gbps"] else None)
+
+
 def peer_table(results: list[dict]) -> str:
     """One line per (tier, op, block, threads) with the peer measured: both stores' GB/s and ratios."""
     keyf = lambda r: (r["tier"], r["op"], r["block_tokens"], r["concurrency"])  # noqa: E731
@@ -87,12 +108,11 @@ def peer_table(results: list[dict]) -> str:
         kv, bio = g["store"], g.get("blockio")
         line = {"tier": tier, "op": op, "block_tokens": bt, "mib": kv["block_bytes"] / 2**20, "concurrency": c,
                 "limit": kv["limit"], "limit_gbps": kv["limit_gbps"], "kv": kv["gbps"], "kv_ratio": kv["ratio"],
-                "lm": lm["gbps"], "lm_ratio": lm["ratio"], "x": kv["gbps"] / lm["gbps"] if lm["gbps"] else None,
+                "lm": lm["gbps"], "lm_ratio": lm["ratio"], "x": _x(kv, lm),
                 "kv_cpu": kv.get("cpu_us_blk"), "lm_cpu": lm.get("cpu_us_blk"),
                 "ok": "yes" if kv["verified"] and lm["verified"] else "NO"}
         if bio is not None:
-            line.update({"bio": bio["gbps"], "bio_ratio": bio["ratio"],
-                         "bio_x": bio["gbps"] / lm["gbps"] if lm["gbps"] else None})
+            line.update({"bio": bio["gbps"], "bio_ratio": bio["ratio"], "bio_x": _x(bio, lm)})
         lines.append(line)
     if not lines:
         return ""
