@@ -250,6 +250,42 @@ def test_hybrid_round_trip_every_group_in_its_own_blocks(rigs):
     assert r.shared.metrics.registry.get_sample_value("kvstore_engine_served_tokens_total", {"tier": "dram"}) == 40
 
 
+@pytest.mark.parametrize("async_io", [False, True], ids=["inline", "load_thread"])
+def test_sleep_and_wake_copy_into_the_memory_the_caches_have_after_the_wake(rigs, async_io):
+    """vLLM 0.33's sleep mode (issue 49): ``unregister_kv_caches`` ends the copies in flight and
+    drops every table that points into the KV cache; the caches' memory is then re-allocated under
+    the same tensors; after ``restore_kv_caches`` a hit lands in the new memory, never the old."""
+    r = rigs(SW_FA, async_io=async_io)
+    t = toks(42, 2)
+    r.fill(0, range(1, 12), 3)
+    r.fill(1, range(21, 32), 4)
+    run_turn(r, "a", t, (list(range(1, 12)), list(range(21, 32))))  # its saves may still be in flight
+    want = [r.block(1, b) for b in range(21, 31)]
+    r.mover.unregister()
+    assert r.mover.copier is None and r.mover.copiers == []
+    assert r.mover.jobs is None or r.mover.jobs.wait_idle(0)  # nothing in flight once it returns
+    r.mover.unregister()  # idempotent
+    old = [c.view(c.shape) for g in r.caches for c in g]  # the memory the caches had before the sleep
+    for g in r.caches:
+        for c in g:
+            c.set_(torch.zeros_like(c))  # the wake-up's memory: new, under the same tensors
+    before = [o.clone() for o in old]
+    r.mover.restore()
+    r.mover.restore()  # idempotent
+    assert len(r.mover.copiers) == 2
+    st = r.planner.track("b", t, len(t))
+    assert r.planner.lookup(st, 0) == 40
+    r.planner.allocated(st, 40, ([0] * 8 + [33, 34, 35], list(range(41, 52))))
+    r.mover.load(r.planner.build_step([], [], {}))
+    _, recving, failed = r.mover.get_transfer(set())
+    if async_io and not recving:
+        r.mover.jobs.wait_idle()
+        _, recving, failed = r.mover.get_transfer(set())
+    assert recving == {"b"} and not failed and not r.mover.take_load_errors()
+    assert all(torch.equal(x, y) for a, b in zip(want, [r.block(1, b) for b in range(41, 51)]) for x, y in zip(a, b))
+    assert all(torch.equal(o, b) for o, b in zip(old, before))  # the old memory: not one byte written
+
+
 @pytest.mark.parametrize("fault", ["scatter_error", "file_deleted"])
 @pytest.mark.parametrize("async_io", [False, True], ids=["inline", "load_thread"])
 def test_a_failed_load_fails_the_request_and_its_hit_is_never_offered_again(rigs, fault, async_io):

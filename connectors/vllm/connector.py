@@ -316,6 +316,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.mover.register_groups(per)
         self._registered()
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep: the copies in flight end, then the tables that point into the KV cache
+        go (:meth:`StepRunner.unregister`). Not reached while :meth:`supports_sleep_mode` says False."""
+        if self.mover is not None:
+            self.mover.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's wake-up: the tables again, from the caches registered before the sleep."""
+        if self.mover is not None and not self.mover.copiers:
+            self.mover.restore()
+            if self.mover.copiers:
+                self._registered()
+
     @timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -75,6 +75,7 @@ class StepRunner:
         self._inline_loaded: set[str] = set()  # async_loads planned but loaded inline (no load thread)
         self._inline_failed: set[str] = set()  # of those, all-or-nothing loads that failed
         self.save_ctas = save_ctas  # a side-stream gather's grid (KVCopier.gather ctas; None: 8 per SM)
+        self._registration: tuple | None = None  # what register or register_groups was given (restore)
 
     def register(self, kv_caches: Any, layout: kvcopy.KVLayout) -> None:
         if layout.block_bytes != self.store.block_bytes:
@@ -83,6 +84,7 @@ class StepRunner:
         self.copier = kvcopy.KVCopier(kv_caches, layout)  # validates the cache once
         self.layout = layout
         self.copiers = [self.copier]
+        self._registration = (kv_caches, layout)
 
     def register_groups(self, groups: list[tuple[Any, kvcopy.KVLayout]]) -> None:
         """A hybrid model's caches: (per-layer tensors, layout) for each KV cache group, in
@@ -93,6 +95,27 @@ class StepRunner:
                                  f"than the store's {self.store.block_bytes}; {layout.describe()}")
         self.copiers = [kvcopy.KVCopier(t, layout) for t, layout in groups]
         self.copier, self.layout = self.copiers[0], groups[0][1]
+        self._registration = (groups,)
+
+    def unregister(self) -> None:
+        """vLLM's sleep (``unregister_kv_caches``, vLLM 0.33): the KV cache's memory is about to be
+        freed or unmapped. The copies queued or running on the copy threads end first (a save's
+        gather reads those blocks, a load writes them), then every table that holds a pointer into
+        the cache goes (the copiers, with their streams). Idempotent."""
+        if self.jobs is not None:
+            self.jobs.wait_idle()
+        self.copier, self.copiers, self.layout = None, [], None
+        self._streams = {}
+
+    def restore(self) -> None:
+        """vLLM's wake-up (``restore_kv_caches``): the tables built again from the tensors vLLM
+        registered, their pointers read again (the memory under them may be new). Idempotent."""
+        if self.copiers or self._registration is None:
+            return
+        if len(self._registration) == 1:
+            self.register_groups(*self._registration)
+        else:
+            self.register(*self._registration)
 
     def _slots(self, g: int, views: list) -> list:
         """Group ``g``'s part of store slots (its block bytes, at their head)."""
