@@ -20,9 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BLOCK, FakeClock, block_for, one_key
+from conftest import BLOCK, FakeClock, block_for, blocks_for, dram_gb, nvme_gb, one_key
 from kvstore.config import ConfigError, from_dict
 from kvstore.store import KVStore
+from kvstore.store.chain import Plan, TierChain
+from kvstore.store.metrics import StoreMetrics
+from kvstore.store.transfers import Transfers
 from kvstore.tiers import fileformat as ff
 from kvstore.tiers.sharedfs import SharedFsTier
 from kvstore.tiers.sharedfs.sweeper import LEASE, SKEW_S
@@ -361,3 +364,105 @@ def test_kvstore_inspect_reads_a_shared_folder(tmp_path):
     assert (info["blocks"], info["bad_files"], info["temp_files"]) == (3, 0, 0), info
     assert list(info["namespaces"]) == [t.folder.name]
     assert "3 blocks" in render_folder(info)
+
+
+# -- victims: what a host lets go, and the folder's own ---------------------------------------------
+
+def _engine(tmp_path, mode: str, dram: int, nvme: int = 0) -> KVStore:
+    n = {"path": str(tmp_path / "nvme"), "capacity_gb": nvme_gb(nvme), "io_threads": 2, "header": "inline"} \
+        if nvme else {"capacity_gb": 0}
+    # headroom: a step's victims leave their slots only once written down; as many slots again
+    # keep every store in DRAM (none written straight below for want of a slot)
+    cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(2 * dram), "headroom_blocks": dram, "pin_memory": False},
+                               "nvme": n, "sharedfs": {"path": str(tmp_path / "shared"), "write_mode": mode}}})
+    return KVStore(cfg, block_bytes=BLOCK, fingerprint=bytes([1]) * 16)
+
+
+@pytest.mark.parametrize("nvme", [0, 4])
+def test_write_back_takes_only_what_the_host_lets_go_and_another_host_reads_it(tmp_path, nvme):
+    """``write_mode: write_back``: the folder gets the victims of the host's last local tier (DRAM
+    alone, or NVMe under it: read back from its file first), nothing else; each block is then
+    served right by this host and by another."""
+    a = _engine(tmp_path, "write_back", dram=2, nvme=nvme)
+    b = _engine(tmp_path, "write_through", dram=2)
+    try:
+        keys = [one_key(70 + i) for i in range(10)]
+        for i in range(0, 10, 2):  # two at a time: each pair pushes the least recent pair down
+            assert a.put(keys[i:i + 2], blocks_for(keys[i:i + 2])) == 2
+            a.flush()
+        held = a.sharedfs.holds(keys)
+        let_go = 10 - 2 - nvme  # what DRAM (and NVMe) could not keep
+        assert held == [True] * let_go + [False] * (10 - let_go), held
+        if nvme:
+            assert a.nvme.holds(keys) == [False] * let_go + [True] * nvme + [False] * 2
+        # DRAM's 8 victims written down (to the folder, or to NVMe and then 4 of them on to the folder)
+        assert a.metrics.value("kvstore_demoted_blocks_total") == 8 + (let_go if nvme else 0)
+        m = b.contains_prefix(keys, record=False)  # another host: the folder's share, then nothing
+        assert m.num_blocks == let_go and set(m.tiers) == {"sharedfs"}
+        out = np.zeros((1, BLOCK), np.uint8)
+        for k in keys[:let_go]:
+            assert b.get([k], out) == 1 and np.array_equal(out[0], block_for(k)), k
+        for k in keys:  # (one-block chains: each its own prompt; a hit below is promoted, its victims go down)
+            out[:] = 0
+            assert a.get([k], out) == 1 and np.array_equal(out[0], block_for(k)), k
+    finally:
+        a.close()
+        b.close()
+
+
+def test_write_through_still_takes_every_block_at_once(tmp_path):
+    a = _engine(tmp_path, "write_through", dram=4)
+    try:
+        keys = [one_key(90 + i) for i in range(3)]
+        assert a.put(keys, blocks_for(keys)) == 3
+        a.flush()
+        assert a.sharedfs.holds(keys) == [True] * 3  # nothing evicted, all there
+    finally:
+        a.close()
+
+
+def test_a_shared_folders_victims_go_to_the_tier_below_it(tmp_path):
+    """A shared tier with a capacity has victims: its sweeper sets them aside (out of readers'
+    sight), the chain writes them down to the shared tier below that takes victims, then they are
+    removed; without a tier below, the sweeper removes them as before."""
+    clock = FakeClock(time.time())
+    upper = tier(tmp_path / "fast", clock=clock, cap_blocks=2)
+    lower = tier(tmp_path / "archive", clock=clock, write_through=False)
+    lower.name = "archive"
+    chain = TierChain([upper, lower], clock=clock)
+    moves = Transfers(chain, StoreMetrics(), block_bytes=BLOCK, io_threads=2)
+    try:
+        assert upper.keeps_victims and not lower.keeps_victims
+        keys = [one_key(110 + i) for i in range(5)]
+        for i, k in enumerate(keys):
+            put(upper, [k])
+            os.utime(upper.path_of(k), (clock() - 100 + i,) * 2)  # written in order
+        bad = keys[1]  # one victim's file damaged while it waits: not written down
+        assert upper.sweeper.round() == 3 and upper.stats["set_aside"] == 3
+        assert upper.holds(keys) == [False, False, False, True, True]  # out of sight at once
+        aside = sorted(p.name for p in (upper.folder / "tmp").iterdir())
+        assert aside == sorted(f"{k.hex()}.{upper.id}.victim" for k in keys[:3])
+        with open(upper.folder / "tmp" / f"{bad.hex()}.{upper.id}.victim", "r+b") as f:
+            f.seek(ff.HEADER_BYTES + 5)
+            f.write(b"\xff\x00\xff")
+        plan = Plan()
+        assert chain.expire(plan) == 3 and ("evicted", "sharedfs", 3) in plan.counts
+        moves.run(plan)
+        moves.flush()
+        assert lower.holds(keys) == [True, False, True, False, False]
+        assert all(np.array_equal(get(lower, k), block_for(k)) for k in (keys[0], keys[2]))
+        assert upper.stats["corrupt"] == 1 and not list((upper.folder / "tmp").iterdir())  # all removed
+        assert chain.expire(Plan()) == 0
+        # no tier below: removed, nothing set aside
+        alone = tier(tmp_path / "alone", clock=clock, cap_blocks=1)
+        TierChain([alone], clock=clock)
+        try:
+            put(alone, keys[:2])
+            assert alone.sweeper.round() == 1 and alone.stats["set_aside"] == 0
+            assert not list((alone.folder / "tmp").iterdir())
+        finally:
+            alone.close()
+    finally:
+        moves.shutdown()
+        upper.close()
+        lower.close()

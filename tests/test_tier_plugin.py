@@ -100,6 +100,87 @@ print(json.dumps(out))
 '''
 
 
+# A second shared folder below kvstore's own (order 500), taking only victims: "the shared folder,
+# then an archive when its sweeper lets a block go", said through the plug-in surface alone.
+ARCHIVE = '''
+from dataclasses import dataclass
+
+from kvstore import configfields as F
+from kvstore.tiers.sharedfs.tier import SharedFsTier
+from kvstore.tiers.spec import TierSpec
+
+
+class ArchiveTier(SharedFsTier):
+    name = "archive"
+
+
+@dataclass(frozen=True)
+class ArchiveConfig(F.Sized):
+    path: str | None = F.field(None, F.path, what="folder", expand=True)
+    capacity_gb: float = F.field(1.0, F.number)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+
+@dataclass(frozen=True)
+class ArchiveEvents:
+    medium: str | None = F.field(None, F.word, choices=F.MEDIA, **F.NOT_ANNOUNCED)
+    locality: str | None = F.field("REMOTE", F.word, choices=F.LOCALITIES, **F.UNSPECIFIED)
+
+
+def open_tier(ts, cfg):
+    return ArchiveTier(path=cfg.path, namespace=ts.namespace("archive"), block_bytes=ts.block_bytes,
+                       capacity_bytes=cfg.capacity_bytes, ttl_s=None, write_through=False)
+
+
+SPEC = TierSpec(name="archive", order=500, config=ArchiveConfig, events=ArchiveEvents, open=open_tier,
+                hit_source="DISK", local=False, namespaced=True)
+'''
+
+ARCHIVE_DRIVE = '''
+import json, os, time
+import numpy as np
+from kvstore.config import from_dict
+from kvstore.store import KVStore
+
+B = 4096
+cfg = from_dict({"tiers": {"dram": {"capacity_gb": 16 * B / 2**30, "pin_memory": False}, "nvme": {"capacity_gb": 0},
+                           "sharedfs": {"path": os.path.abspath("shared"), "capacity_gb": 2 * (B + 4096) / 2**30,
+                                        "sweep_s": 0.05},
+                           "archive": {"path": os.path.abspath("archive")}}})
+a = KVStore(cfg, block_bytes=B, fingerprint=b"plugin-test-root")
+keys = [bytes([i]) * 16 for i in range(6)]
+data = np.random.default_rng(1).integers(0, 256, (6, B), dtype=np.uint8)
+out = {"chain": [t.name for t in a.chain.tiers], "keeps": a.sharedfs.keeps_victims}
+try:
+    a.put(keys, data)  # DRAM keeps all 6; the folder gets them at once, and its capacity is 2
+    a.flush()
+    end = time.monotonic() + 30
+    while time.monotonic() < end and sum(a.archive.holds(keys)) < 4:
+        time.sleep(0.05)
+    a.flush()
+    out.update(archive=sum(a.archive.holds(keys)), shared=sum(a.sharedfs.holds(keys)),
+               set_aside=a.sharedfs.stats["set_aside"],
+               evicted=a.metrics.value("kvstore_tier_evicted_blocks_total", tier="sharedfs"))
+finally:
+    a.close()
+b = KVStore(cfg, block_bytes=B, fingerprint=b"plugin-test-root")  # another host: nothing in its DRAM
+try:
+    where, right = [], True
+    for k, d in zip(keys, data):
+        m = b.contains_prefix([k], record=False)
+        where += list(m.tiers)
+        got = np.zeros((1, B), np.uint8)
+        right = right and b.get([k], got) == 1 and bool((got[0] == d).all())
+    out.update(where=where, right=right)
+finally:
+    b.close()
+print(json.dumps(out))
+'''
+
+
 def _dist(where: Path, name: str, entry: str, code: str | None) -> None:
     pkg = where / name
     pkg.mkdir(parents=True)
@@ -134,3 +215,16 @@ def test_a_plug_in_that_does_not_load_costs_its_own_medium_only(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == "['dram', 'nvme', 'remote', 'sharedfs']"
     assert "the tier plug-in 'broken'" in p.stderr and "left out" in p.stderr
+
+
+def test_a_shared_folders_victims_go_down_to_a_plug_in_archive(tmp_path):
+    """The shared folder's sweeper keeps its capacity (2 blocks of 6): the 4 it lets go are set
+    aside, taken by the store that holds the lease and written down to the plug-in below that
+    takes victims; another host then finds each block in one of the two, right."""
+    _dist(tmp_path, "kvarchive", "archive", ARCHIVE)
+    p = _run(tmp_path, ARCHIVE_DRIVE)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["chain"] == ["dram", "sharedfs", "archive"] and r["keeps"]
+    assert (r["archive"], r["shared"], r["set_aside"], r["evicted"]) == (4, 2, 4, 4), r
+    assert sorted(r["where"]) == ["archive"] * 4 + ["sharedfs"] * 2 and r["right"], r

@@ -76,15 +76,16 @@ def test_simulated_hit_rate_equals_the_real_store(mixed_trace, dram, dttl, nvme,
     assert a["replay_hit_tokens"] == b["replay_hit_tokens"]
 
 
-@pytest.mark.parametrize("dram,nvme", [(12, 0), (10, 30)])
-def test_a_shared_folder_is_modelled_as_the_store_serves_it(mixed_trace, dram, nvme, tmp_path):
-    """A shared folder below the local tiers (write-through, found after them): the stand-in's
-    hits are the real tier's, block for block, where its sweeper never has to act (a capacity
-    and a TTL the trace stays within: the sweeper runs on the wall clock, the replay on the
-    trace's)."""
+@pytest.mark.parametrize("dram,nvme,mode", [(12, 0, "write_through"), (10, 30, "write_through"),
+                                            (12, 0, "write_back"), (10, 30, "write_back")])
+def test_a_shared_folder_is_modelled_as_the_store_serves_it(mixed_trace, dram, nvme, mode, tmp_path):
+    """A shared folder below the local tiers (found after them; written through, or given the
+    last local tier's victims): the stand-in's hits are the real tier's, block for block, where
+    its sweeper never has to act (a capacity and a TTL the trace stays within: the sweeper runs
+    on the wall clock, the replay on the trace's)."""
     base = cfg_blocks(dram, None, nvme, None)
     cfg = from_dict({**base.to_dict(), "tiers": {**base.to_dict()["tiers"], "sharedfs": {
-        "path": str(tmp_path / "shared"), "capacity_gb": 1, "ttl_s": None}}})
+        "path": str(tmp_path / "shared"), "capacity_gb": 1, "ttl_s": None, "write_mode": mode}}})
     (tmp_path / "shared").mkdir(mode=0o700)
     sim = Simulator.from_config(cfg, BB)
     assert [t.name for t in sim.chain.tiers] == ["dram"] + ["nvme"] * bool(nvme) + ["sharedfs"]

@@ -13,8 +13,10 @@ blocks are never pinned. The rules between tiers are :mod:`kvstore.store.placeme
 
 * a stored block enters the top tier, unless a local tier below holds it (or is writing it);
 * a victim of a local tier is written down to the next local tier when the rules say so
-  (``DEMOTE``); meanwhile it keeps its slot and is served from it
-  (:class:`~kvstore.store.demotions.Demotions`);
+  (``DEMOTE``), and a victim of the last local tier to the first shared tier that takes victims
+  (``write_through`` off: a shared folder under ``write_mode: write_back``); meanwhile it keeps
+  its slot (or file) and is served from it (:class:`~kvstore.store.demotions.Demotions`); a
+  shared tier's victims (those its own sweeper set aside) go to the next such tier below it;
 * a hit in a lower tier is copied up into the top tier when a slot is free (a promotion);
 * a block stored in a tier is copied at once into every tier below that asks for it
   (``tier.write_through``: NVMe under ``write_mode: write_through``; Redis always);
@@ -87,7 +89,13 @@ class TierChain:
         assert self.local == self.tiers[: len(self.local)], "shared tiers come after the local ones"
         self.top = self.tiers[0] if self.tiers else None
         self.clock = clock
-        self._below = {t: self.local[i + 1] if i + 1 < len(self.local) else None for i, t in enumerate(self.local)}
+        # where each tier's victims go: the next local tier; below the last, the first shared tier
+        # that takes victims (a write-through one holds every block already, or let it go itself)
+        takes = next((t for t in self.shared if not t.write_through), None)
+        self._below = {t: self.local[i + 1] if i + 1 < len(self.local) else takes for i, t in enumerate(self.local)}
+        for i, t in enumerate(self.shared):  # a shared tier's victims (its own sweeper's): the next that takes them
+            self._below[t] = next((s for s in self.shared[i + 1:] if not s.write_through), None)
+            t.keeps_victims = self._below[t] is not None
         # admission (tiers.<tier>.admit_after): the asks of blocks turned away from that tier
         self.adm_tier = next((t for t in self.local if t.admit_after), None)
         after = self.adm_tier.admit_after if self.adm_tier is not None else 0
@@ -102,7 +110,7 @@ class TierChain:
         return len(self.tiers)
 
     def below(self, t: Tier) -> Tier | None:
-        """The local tier a victim of ``t`` is written down to (None: it is dropped)."""
+        """The tier a victim of ``t`` is written down to (None: it is dropped)."""
         return self._below.get(t)
 
     # -- lookups -----------------------------------------------------------------------------------
@@ -310,8 +318,9 @@ class TierChain:
             return
         now = self.clock()
         free, todo, gone, away = [], [], [], []
-        for e in victims:
-            act = self.demote_action(e, below, now)
+        held = self._held_below(below, victims)
+        for e, there in zip(victims, held):
+            act = self.demote_action(e, below, now, there)
             if act == placement.DEMOTE:
                 todo.append(e)
                 continue
@@ -336,17 +345,28 @@ class TierChain:
                     ne.last_access = e.last_access  # the file's mtime: recency survives a restart
                     jobs.append((e, ne))
             self.demotions.add(t, [e for e, _ in jobs])
-        self.free(t, free, plan)
+        self.free(t, free, plan, background)
         for e, why in gone:
             self.remember_gone([e], why)
         self.turn_away([(e.key, e.asks) for e in away], plan)
         if jobs:
             plan.transfers.append(Transfer(DEMOTE, t, below, jobs, moving=True))
 
-    def demote_action(self, e: Entry, below: Tier, now: float) -> str:
-        """:func:`placement.demote_action` for victim ``e`` (admitted: its asks)."""
+    @staticmethod
+    def _held_below(below: Tier, victims: Sequence[Entry]) -> list[bool]:
+        """Which victims ``below`` holds already (not written again). A shared tier is not asked:
+        victims arise on the caller's thread (a store's reservation), which a stalled mount would
+        hold for its deadline; a block it has already is written again, the same bytes, on the
+        I/O pool."""
+        if below.shared:
+            return [False] * len(victims)
+        return below.holds([e.key for e in victims])
+
+    def demote_action(self, e: Entry, below: Tier, now: float, there: bool) -> str:
+        """:func:`placement.demote_action` for victim ``e`` (``there``: ``below`` holds it or is
+        writing it; admitted: its asks)."""
         adm = self.adm
-        act = placement.demote_action(e.last_access, now, has_lower=True, lower_holds=below.present_or_writing(e.key),
+        act = placement.demote_action(e.last_access, now, has_lower=True, lower_holds=there,
                                       lower_ttl=below.ttl, admitted=below is not self.adm_tier or not adm.active
                                       or adm.admits(e.asks))
         if act == placement.STALE:
@@ -470,9 +490,10 @@ class TierChain:
 
     # -- time --------------------------------------------------------------------------------------
     def expire(self, plan: Plan) -> int:
-        """Expire what is due in every tier (bounded work per tier)."""
+        """Expire what is due in every tier (bounded work per tier); a shared tier's victims are
+        those its medium set aside for the tier below."""
         n = 0
-        for t in self.local:
+        for t in self.tiers:
             ev = t.expire()
             n += len(ev)
             self.victims(t, ev, plan)
@@ -487,7 +508,9 @@ class TierChain:
             return [], []
         entries = self.top.pin_all()
         now = self.clock()
-        return entries, [e for e in entries if self.demote_action(e, below, now) == placement.DEMOTE]
+        held = self._held_below(below, entries)
+        return entries, [e for e, there in zip(entries, held)
+                         if self.demote_action(e, below, now, there) == placement.DEMOTE]
 
     def write_down(self, entries: list[Entry], plan: Plan) -> None:
         """Move pinned top-tier ``entries`` down, the caller waiting (a batch of a write-back)."""

@@ -72,7 +72,7 @@ class StoreMetrics:
                                    ["tier"], registry=r)
         self.corrupt = Counter("kvstore_corrupt_files", "Bad block files dropped, by reason (a miss, never served)",
                                ["tier", "reason"], registry=r)
-        self.demotions = Counter("kvstore_demoted_blocks", "Blocks written down from DRAM to NVMe", registry=r)
+        self.demotions = Counter("kvstore_demoted_blocks", "Blocks written down to a lower tier (victims)", registry=r)
         self.promotions = Counter("kvstore_promoted_blocks", "Blocks copied up from NVMe to DRAM", registry=r)
         self.skipped = Counter("kvstore_tier_skipped_blocks", "Blocks not stored in a tier, by reason (no_slot: "
                                "every free DRAM slot held by a demotion in flight or a pin; pinned: every index "

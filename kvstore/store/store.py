@@ -141,6 +141,9 @@ class KVStore:
         self.events = TierEvents(self.chain.tiers, [s.name for s in SPECS if getattr(ev, s.name).medium]) \
             if events else None
         self._sweeping: Future | None = None
+        for t in self.chain.shared:  # its sweeper's victims, set aside for the tier below: taken here
+            if t.keeps_victims:
+                t.on_victims = self._victims_ready
 
     # -- the tiers, by name (for operators and tests; the store itself loops over the chain) --------
     def tier(self, name: str) -> Tier | None:
@@ -457,6 +460,24 @@ class KVStore:
         self.transfers.run(plan)
         self.update_gauges()
         return n
+
+    def _victims_ready(self) -> None:
+        """A shared tier set victims aside (its sweeper's thread): the chain takes them on the
+        store's background thread (one sweep at a time), written down to the tier below."""
+        if self._gate.closed or not (self._sweeping is None or self._sweeping.done()):
+            return
+        try:
+            self._sweeping = self.transfers.background(self._sweep_open)
+        except RuntimeError:  # the store is closing: the victims stay aside (the tmp/ rule removes them)
+            pass
+
+    def _sweep_open(self) -> None:
+        try:
+            for _ in range(4):  # a round sets aside up to VICTIMS_MAX (1024); a sweep takes 256 a tier
+                if not self.sweep():
+                    break
+        except RuntimeError:  # closed meanwhile
+            pass
 
     def take_events(self) -> list:
         """What became servable in, or left, each announced tier since the last call

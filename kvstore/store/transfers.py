@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # a single move larger than that goes when nothing else is in flight (a long prefill's step).
 # Copies from DRAM slots need no cap: they pin slots, which DRAM's size bounds.
 STAGED_MAX_BYTES = 512 << 20
+# A victim without a slot (a file) is read into a buffer of the mover's before it is written
+# down: this many blocks at a time per job, so a big eviction holds at most this many per thread.
+DOWN_CHUNK = 8
 
 
 class Transfers:
@@ -185,7 +188,11 @@ class Transfers:
         try:
             for e, _ in pairs:
                 failpoints.fire("demote.write", key=e.key)
-            oks = [bool(x) for x in m.dst.write_many([ne for _, ne in pairs], [m.src.slot_view(e) for e, _ in pairs])]
+            if m.src.addressable:  # from the slots, in place
+                oks = [bool(x) for x in m.dst.write_many([ne for _, ne in pairs],
+                                                         [m.src.slot_view(e) for e, _ in pairs])]
+            else:
+                oks = self._read_down(m, pairs)
         except Exception as ex:  # never lost silently: counted below as failed writes
             log.warning("kvstore: writing %d blocks down to %s failed: %s", len(pairs), m.dst.name, ex)
         self.chain.demoted(Transfer(DEMOTE, m.src, m.dst, pairs, moving=m.moving), oks)
@@ -194,6 +201,21 @@ class Transfers:
             self.sink.moved(demoted=n)
         self.sink.wrote(m.dst.name, n, len(oks) - n)
         return n
+
+    def _read_down(self, m: Transfer, pairs: list[tuple[Entry, Entry]]) -> list[bool]:
+        """Victims of a tier without slots (the last local tier's files, written down to a shared
+        folder): read into buffers of this job's own, ``DOWN_CHUNK`` blocks at a time, then
+        written; a block that does not read back (gone, corrupt) is not written."""
+        oks: list[bool] = []
+        buf = np.empty((min(DOWN_CHUNK, len(pairs)), self.block_bytes), np.uint8)
+        for i in range(0, len(pairs), DOWN_CHUNK):
+            part = pairs[i:i + DOWN_CHUNK]
+            got = m.src.read_many([e for e, _ in part], list(buf[: len(part)]))
+            go = [j for j, g in enumerate(got) if g]
+            res = m.dst.write_many([part[j][1] for j in go], [buf[j] for j in go])
+            done = dict(zip(go, res))
+            oks += [bool(done.get(j, False)) for j in range(len(part))]
+        return oks
 
     def _copy(self, m: Transfer) -> None:
         """Write-through: a job per part into files, one batch into a batched medium."""

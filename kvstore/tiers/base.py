@@ -14,7 +14,8 @@ free slot: dropped and counted); :meth:`Tier.commit` publishes them. Reads pin e
 Two kinds: a *local* tier (:class:`kvstore.tiers.local.LocalTier`: DRAM, NVMe, the tuner's
 byte-less tiers) keeps its own index; a *shared* tier (``shared = True``: Redis) is written by
 every engine and keeps its index itself, so it is asked in batches (:meth:`leading`,
-:meth:`holds`), reserves nothing, pins nothing and has no victims.
+:meth:`holds`), reserves nothing and pins nothing; its victims, if its medium keeps a capacity
+itself (a shared folder's sweeper), come out of :meth:`expire` (:mod:`kvstore.tiers.shared`).
 """
 
 from __future__ import annotations

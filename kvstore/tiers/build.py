@@ -71,9 +71,11 @@ class TierSet:
     def options(self, name: str) -> dict[str, Any]:
         return self._options.get(name, {})
 
-    def has_local_below(self, spec: TierSpec) -> bool:
-        """Is a local tier enabled below ``spec``'s (where its victims are written down)?"""
-        return any(s.local and s.order > spec.order and self.section(s).enabled
+    def has_lower(self, spec: TierSpec) -> bool:
+        """Is a tier enabled below ``spec``'s that takes its victims (where they are written
+        down): a local one, or a shared one under ``write_mode: write_back``?"""
+        return any(s.order > spec.order and self.section(s).enabled
+                   and (s.local or getattr(self.section(s), "write_mode", None) == "write_back")
                    and (s.stand_in is not None or not self._stand_ins) for s in SPECS)
 
     def announced(self, spec: TierSpec) -> bool:

@@ -80,8 +80,8 @@ class NoBytesSharedTier(SharedTier):
     write: the sweeper's lag (it runs every ``sweep_s``) is not modelled."""
 
     def __init__(self, name: str, *, capacity_bytes: int, ttl_s: float | None, entry_bytes: int, block_bytes: int,
-                 clock: Callable[[], float] = time.time):
-        super().__init__(block_bytes)
+                 clock: Callable[[], float] = time.time, write_through: bool = True):
+        super().__init__(block_bytes, write_through)
         self.name = name
         self.clock = clock
         self.ttl = ttl_s

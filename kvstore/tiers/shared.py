@@ -1,10 +1,20 @@
 """A tier every engine writes, that keeps its index itself (Redis, a shared folder): the part of the
 contract they share, as :class:`~kvstore.tiers.local.LocalTier` is the local tiers'.
 
-Such a tier is asked in batches (:meth:`leading`, :meth:`holds`), reserves nothing, pins nothing and
-has no victims: a write overwrites (in one namespace a key names the same bytes in every engine), a
+Such a tier is asked in batches (:meth:`leading`, :meth:`holds`), reserves nothing and pins
+nothing: a write overwrites (in one namespace a key names the same bytes in every engine), a
 read may find a block gone or bad (a miss). Its KV events see only what this engine wrote there and
 what a read found gone: the medium evicts and expires on its own, unseen.
+
+It takes every block stored in a local tier at once (``write_through``, the default: sharing
+needs a block there before this engine lets it go), or only the victims of the tiers above it
+(``write_through`` False: a shared folder as the overflow of each host's own tiers).
+
+A shared tier with a capacity it keeps itself (a shared folder's sweeper) has victims too, when
+the chain has a tier below it that takes them (``keeps_victims``, set by the chain): the medium
+sets each aside instead of removing it, says so (``on_victims``, set by the store), and
+:meth:`expire` hands them over, each holding its medium until :meth:`free`, as a local tier's do.
+Redis evicts on its own, unseen: it has none.
 """
 
 from __future__ import annotations
@@ -19,10 +29,12 @@ from kvstore.tiers.index import READY, Entry
 
 class SharedTier(Tier):
     shared = True
-    write_through = True  # every block stored in a local tier is shared at once
+    keeps_victims = False  # a tier below takes its victims (the chain says so): set aside, not removed
+    on_victims = None  # called (no lock held) once victims are set aside: the store takes them soon
 
-    def __init__(self, block_bytes: int):
+    def __init__(self, block_bytes: int, write_through: bool = True):
         self.block_bytes = int(block_bytes)
+        self.write_through = bool(write_through)  # else: the victims of the tiers above only
         self.lock = threading.Lock()
         # KV events (kvstore.store.events): (True, key) for what this engine wrote, (False, key) for
         # what a read found gone or bad. None: off

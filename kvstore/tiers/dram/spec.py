@@ -41,7 +41,7 @@ def open_tier(ts, cfg: DramConfig):
                           "none (DRAM codecs are not implemented yet; set int8/fp8/zstd on a lower tier's codec)")
     opts = ts.options(SPEC.name)
     tier = DramTier(capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s, policy=cfg.policy, block_bytes=ts.block_bytes,
-                    clock=ts.clock, pin=cfg.pin_memory, headroom=cfg.headroom_blocks if ts.has_local_below(SPEC) else 0,
+                    clock=ts.clock, pin=cfg.pin_memory, headroom=cfg.headroom_blocks if ts.has_lower(SPEC) else 0,
                     shared=opts.get("shared", False), prefault_bytes=opts.get("prefault_bytes"), ttl_shared_s=cfg.ttl_shared_s)
     if tier.pool.n_slots == 0:  # a pool without a slot is no tier
         tier.close()
@@ -59,7 +59,7 @@ def stand_in(ts, cfg: DramConfig):
     n = cfg.capacity_bytes // slot
     if n == 0:
         return None
-    held = headroom_slots(n, cfg.headroom_blocks, has_lower=ts.has_local_below(SPEC))
+    held = headroom_slots(n, cfg.headroom_blocks, has_lower=ts.has_lower(SPEC))
     return NoBytesTier(SPEC.name, capacity_bytes=(n - held) * slot, ttl_s=cfg.ttl_s, ttl_shared_s=cfg.ttl_shared_s,
                        policy=cfg.policy, entry_bytes=slot, clock=ts.clock, slots=n)
 

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from kvstore import configfields as F
 from kvstore.tiers.spec import TierSpec
 
-WRITE_MODES = ("write_through",)  # shared: a block is there before DRAM evicts it (as Redis)
+# write_through: every block stored on this host, at once (shared before this host lets it go, as
+# Redis); write_back: only what this host's tiers let go (their victims: the folder as the overflow
+# of each host's DRAM and NVMe, shared once it is there)
+WRITE_MODES = ("write_through", "write_back")
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,9 @@ class SharedFsConfig(F.Sized):
     ``lease_s`` after its holder stopped renewing it) removes what is past its TTL, then the
     least recent files past the capacity, every ``sweep_s``. A call the file system does not
     answer within ``timeout_ms`` is a miss, then a backoff (a stalled mount costs an engine no
-    more), on ``io_threads`` threads of its own."""
+    more), on ``io_threads`` threads of its own. ``write_mode``: ``write_through`` (every block
+    stored on this host, at once) or ``write_back`` (only the victims of this host's tiers above:
+    what its DRAM and NVMe let go)."""
 
     path: str | None = F.field(None, F.path, what="folder", expand=True)  # null: the tier is off
     capacity_gb: float = F.field(100.0, F.number)
@@ -52,7 +57,7 @@ def open_tier(ts, cfg: SharedFsConfig):
     return SharedFsTier(path=cfg.path, namespace=ts.namespace(SPEC.name), block_bytes=ts.block_bytes,
                         codec=ts.codec(cfg), codec_id=CODEC_IDS[cfg.codec], capacity_bytes=cfg.capacity_bytes,
                         ttl_s=cfg.ttl_s, sweep_s=cfg.sweep_s, lease_s=cfg.lease_s, timeout_ms=cfg.timeout_ms,
-                        io_threads=cfg.io_threads)
+                        io_threads=cfg.io_threads, write_through=cfg.write_mode == "write_through")
 
 
 def stand_in(ts, cfg: SharedFsConfig):
@@ -63,7 +68,8 @@ def stand_in(ts, cfg: SharedFsConfig):
     from kvstore.tiers.nobytes import NoBytesSharedTier
 
     return NoBytesSharedTier(SPEC.name, capacity_bytes=cfg.capacity_bytes, ttl_s=cfg.ttl_s,
-                             entry_bytes=HEADER_BYTES + ts.block_bytes, block_bytes=ts.block_bytes, clock=ts.clock)
+                             entry_bytes=HEADER_BYTES + ts.block_bytes, block_bytes=ts.block_bytes, clock=ts.clock,
+                             write_through=cfg.write_mode == "write_through")
 
 
 def check(cfg: SharedFsConfig) -> list:

@@ -9,6 +9,8 @@ holder that died, froze or lost the folder is replaced ``lease_s`` after its las
 
 The holder's round (:meth:`Sweeper.sweep`): every block file past its idle TTL is removed, then,
 while the folder holds more than the capacity, the least recent (a hit refreshes a file's time);
+a removal is a move into ``tmp/`` instead when a tier below takes the victims (the holder's store
+writes them down, then removes them);
 temporary files older than ``TMP_MAX_AGE_S`` (a writer that died, on any host) go too. So the
 capacity and the TTL hold for every writer together, within a sweep period. Two processes that
 both believed they held the lease (a holder frozen past it, then resumed) remove a few more of
@@ -42,6 +44,7 @@ class Sweeper:
         self.clock = clock
         self.me = tier.id
         self.holding = False
+        self.aside = 0  # victims the last round set aside for the tier below
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -156,6 +159,7 @@ class Sweeper:
         """Remove what is past its TTL, then the least recent past the capacity, and dead writers'
         temporary files. Returns how many files it removed."""
         t, now = self.t, self.clock()
+        self.aside = 0
         files: list[tuple[float, int, int, str]] = []  # (time, bytes, leaf fd, name)
         total, expired = 0, 0
         for e in os.scandir(t.root_fd):
@@ -174,7 +178,7 @@ class Sweeper:
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 if t.ttl is not None and st.st_mtime < now - t.ttl:
-                    expired += _unlink(fd, f.name)
+                    expired += self._drop(fd, f.name, st.st_mtime, "expired")
                     continue
                 files.append((st.st_mtime, st.st_size, fd, f.name))
                 total += st.st_size
@@ -183,11 +187,12 @@ class Sweeper:
         for mtime, size, fd, name in files:
             if total <= t.capacity:
                 break
-            evicted += _unlink(fd, name)
+            evicted += self._drop(fd, name, mtime, "capacity")
             total -= size
         for f in os.scandir(t.tmp_fd):
             try:
-                if f.stat(follow_symlinks=False).st_mtime < now - TMP_MAX_AGE_S:
+                st = f.stat(follow_symlinks=False)
+                if max(st.st_mtime, st.st_ctime) < now - TMP_MAX_AGE_S:  # (ctime: a victim set aside keeps its mtime)
                     t.count("tmp_removed", _unlink(t.tmp_fd, f.name))
             except OSError:
                 continue
@@ -195,7 +200,18 @@ class Sweeper:
         t.count("evicted", evicted)
         t.count("sweeps")
         t.measured(len(files) - evicted, total)
+        if self.aside and t.on_victims is not None:  # the store takes them (its background thread)
+            t.on_victims()
         return expired + evicted
+
+    def _drop(self, fd: int, name: str, mtime: float, reason: str) -> int:
+        """A victim: set aside for the tier below when there is one (:meth:`SharedFsTier.set_aside`),
+        else removed. 1 if it left the folder."""
+        if self.t.set_aside(fd, name, mtime, reason):
+            self.aside += 1
+            self.t.count("set_aside")
+            return 1
+        return _unlink(fd, name)
 
 
 def _unlink(dir_fd: int, name: str) -> int:

@@ -6,9 +6,14 @@ NFS, Weka), written and read by many engines on many hosts at once.
     <path>/kvstore-<namespace[:16]>/.sweeper                  (the sweeper's lease, :mod:`.sweeper`)
 
 What the folder holds is the truth: a block is present when its file is, whoever wrote it; no
-process keeps an index of it (as with Redis, the tier is asked in batches, reserves nothing,
-pins nothing and has no victims). A write goes to a temporary file, then is renamed into place
-(atomic on every POSIX file system these run on), so a reader sees a whole file or none; no
+process keeps an index of it (as with Redis, the tier is asked in batches, reserves nothing and
+pins nothing). Its victims are the sweeper's: removed, or, when the chain has a tier below that
+takes them (``keeps_victims``), moved into ``tmp/`` as ``<key hex>.<writer>.victim`` (out of every
+reader's sight at once) and handed to the store (:meth:`expire`), which writes them down and
+then removes them (:meth:`free`); a holder that dies leaves them to any sweeper's ``tmp/`` rule.
+
+A write goes to a temporary file, then is renamed into place (atomic on every POSIX file system
+these run on), so a reader sees a whole file or none; no
 O_DIRECT (network file systems differ on it). A file is the NVMe tier's block format (a 4 KiB
 header: namespace, key, codec, payload length and checksum, :mod:`kvstore.tiers.fileformat`,
 then the payload): every read checks the owner, the mode, the size, the header and the payload's
@@ -32,11 +37,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import re
 import socket
 import stat
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from itertools import count
@@ -46,7 +53,7 @@ import numpy as np
 
 from kvstore import failpoints
 from kvstore.tiers import fileformat as ff
-from kvstore.tiers.index import Entry
+from kvstore.tiers.index import READY, Entry
 from kvstore.tiers.memory import as_bytes
 from kvstore.tiers.nvme.folder import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, NotOurs, check_folder, discard, open_subdir
 from kvstore.tiers.shared import SharedTier
@@ -56,6 +63,8 @@ log = logging.getLogger(__name__)
 
 KEY = "tiers.sharedfs.path"
 BACKOFF_S = 5.0  # after a call past its deadline, the tier is skipped this long (then asked again)
+ASIDE = 1  # Entry.slot of a victim set aside in tmp/ for the tier below
+VICTIMS_MAX = 1024  # victims set aside and not yet taken; past it the sweeper removes them
 MIB_S = 0.05  # a call's deadline grows by this much per MiB it moves (as the Redis tier's)
 
 
@@ -75,10 +84,12 @@ class SharedFsTier(SharedTier):
 
     def __init__(self, *, path: str, namespace: bytes, block_bytes: int, codec=None, codec_id: int = 0,
                  capacity_bytes: int, ttl_s: float | None, sweep_s: float = 10.0, lease_s: float = 60.0,
-                 timeout_ms: int = 1000, io_threads: int = 4, clock=time.time, sweep: bool = True):
-        """``sweep``: run the sweeper's thread (a test drives its rounds itself)."""
+                 timeout_ms: int = 1000, io_threads: int = 4, clock=time.time, sweep: bool = True,
+                 write_through: bool = True):
+        """``sweep``: run the sweeper's thread (a test drives its rounds itself). ``write_through``
+        False: only what the tiers above let go is written here (``write_mode: write_back``)."""
         base = check_folder(path, KEY)
-        super().__init__(block_bytes)
+        super().__init__(block_bytes, write_through)
         self.namespace = namespace
         self.codec, self.codec_id = codec, int(codec_id)
         self.payload_max = codec.encoded_bytes if codec is not None else self.block_bytes
@@ -90,7 +101,7 @@ class SharedFsTier(SharedTier):
         self.id = writer_id()
         self._n = count()
         self.stats = {"corrupt": 0, "missing": 0, "write_failed": 0, "expired": 0, "evicted": 0, "tmp_removed": 0,
-                      "sweeps": 0, "leases_taken": 0, "timeouts": 0, "skipped_down": 0}
+                      "set_aside": 0, "sweeps": 0, "leases_taken": 0, "timeouts": 0, "skipped_down": 0}
         self.timeout_s = timeout_ms / 1000
         self._threads = max(1, int(io_threads))
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="kvstore-sharedfs")
@@ -106,6 +117,7 @@ class SharedFsTier(SharedTier):
             os.close(bfd)
         self.tmp_fd = open_subdir(self.root_fd, "tmp", True)
         self._leaves: dict[str, int] = {}
+        self._aside: deque[Entry] = deque()  # victims set aside, for expire (at most VICTIMS_MAX)
         self.sweeper = Sweeper(self, sweep_s, lease_s, clock)
         if sweep:
             self.sweeper.start()
@@ -270,11 +282,12 @@ class SharedFsTier(SharedTier):
 
     def read_many(self, entries: Sequence[Entry], outs) -> list[bool]:
         """One deadline for the batch; each block read into a buffer of its own, copied into the
-        caller's only once the batch came in time."""
+        caller's only once the batch came in time (a victim set aside: from ``tmp/``)."""
         if not entries:
             return []
         try:
-            got = self._call(lambda: [self._read(e.key) for e in entries], nbytes=len(entries) * self.block_bytes)
+            got = self._call(lambda: [self._read(e.key, e.slot == ASIDE) for e in entries],
+                             nbytes=len(entries) * self.block_bytes)
         except Down:
             return [False] * len(entries)
         for b, out in zip(got, outs):
@@ -282,12 +295,13 @@ class SharedFsTier(SharedTier):
                 np.copyto(as_bytes(out)[: self.block_bytes], b, casting="no")
         return [b is not None for b in got]
 
-    def _read(self, key: bytes) -> np.ndarray | None:
+    def _read(self, key: bytes, aside: bool = False) -> np.ndarray | None:
         """The block of ``key``'s file, in a buffer of its own, or None (a miss: counted, and a bad
-        file removed)."""
+        file removed). ``aside``: the victim set aside in ``tmp/`` (read whatever its age: the
+        chain decides whether it is worth writing down)."""
         out = np.empty(self.block_bytes, np.uint8)
-        name = self.file_name(key)
-        leaf = self.leaf(key.hex()[:2], False)
+        name = self.aside_name(key) if aside else self.file_name(key)
+        leaf = self.tmp_fd if aside else self.leaf(key.hex()[:2], False)
         if leaf < 0:
             return self._missing()
         try:
@@ -305,7 +319,7 @@ class SharedFsTier(SharedTier):
                 raise ff.BadBlockFile("foreign_owner", f"owned by uid {st.st_uid}, never read")
             if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 raise ff.BadBlockFile("loose_mode", f"mode {stat.S_IMODE(st.st_mode):04o}")
-            if self.ttl is not None and st.st_mtime < self.clock() - self.ttl:
+            if not aside and self.ttl is not None and st.st_mtime < self.clock() - self.ttl:
                 return self._missing()  # past its TTL: the sweeper's
             hdr = bytearray(ff.HEADER_BYTES)
             if os.preadv(fd, [hdr], 0) != ff.HEADER_BYTES:
@@ -327,10 +341,11 @@ class SharedFsTier(SharedTier):
                     self.codec.decode(dst, h.payload_len, out)
                 except Exception as e:  # noqa: BLE001 - a payload that does not decode
                     raise ff.BadBlockFile("bad_payload", f"{type(e).__name__}: {e}") from None
-            try:
-                os.utime(fd)  # a hit: the least recent files go first (the sweeper)
-            except OSError:
-                pass
+            if not aside:
+                try:
+                    os.utime(fd)  # a hit: the least recent files go first (the sweeper)
+                except OSError:
+                    pass
             return out
         except ff.BadBlockFile as e:
             self.bad(leaf, name, e.reason, str(e))
@@ -345,6 +360,43 @@ class SharedFsTier(SharedTier):
         with self.lock:
             self.stats["missing"] += 1
         return None
+
+    # -- victims (a tier below takes them) -----------------------------------------------------------
+    def aside_name(self, key: bytes) -> str:
+        return f"{key.hex()}.{self.id}.victim"
+
+    def set_aside(self, leaf: int, name: str, mtime: float, reason: str) -> bool:
+        """The sweeper's victim ``name`` (in ``leaf``), moved into ``tmp/`` for the tier below and
+        queued for :meth:`expire`; False: not kept (no tier below, the queue full, a name that is
+        not a key's, the rename failed): the sweeper removes it."""
+        if not self.keeps_victims or len(self._aside) >= VICTIMS_MAX or not name.endswith(ff.SUFFIX):
+            return False
+        try:
+            key = bytes.fromhex(name[: -len(ff.SUFFIX)])
+            os.rename(name, self.aside_name(key), src_dir_fd=leaf, dst_dir_fd=self.tmp_fd)
+        except (ValueError, OSError):
+            return False
+        e = Entry(key=key, nbytes=self.block_bytes, last_access=mtime, expire_at=math.inf, state=READY, slot=ASIDE,
+                  reason=reason)
+        with self.lock:
+            self._aside.append(e)
+        return True
+
+    def expire(self, limit: int | None = None) -> list[Entry]:
+        """The victims set aside (at most ``limit``, 256 by default), for the chain to write down;
+        each keeps its file until :meth:`free`."""
+        with self.lock:
+            return [self._aside.popleft() for _ in range(min(256 if limit is None else limit, len(self._aside)))]
+
+    def free(self, victims: Sequence[Entry]) -> None:
+        """Remove the files of victims set aside (written down, or dropped); a stalled file system
+        leaves them to the sweeper's ``tmp/`` rule."""
+        names = [self.aside_name(e.key) for e in victims if e.slot == ASIDE]
+        if names:
+            try:
+                self._call(lambda: [_remove(self.tmp_fd, n) for n in names])
+            except Down:
+                pass
 
     # -- bad files ------------------------------------------------------------------------------------
     def bad_count(self, reason: str, detail: str) -> None:
@@ -400,6 +452,13 @@ class SharedFsTier(SharedTier):
             except OSError:
                 pass
         self.tmp_fd = self.root_fd = -1
+
+
+def _remove(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:  # gone already (the tmp/ rule of some host's sweeper)
+        pass
 
 
 def _write_all(fd: int, bufs: list) -> None:
