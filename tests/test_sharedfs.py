@@ -27,6 +27,7 @@ from kvstore.store.chain import Plan, TierChain
 from kvstore.store.metrics import StoreMetrics
 from kvstore.store.transfers import Transfers
 from kvstore.tiers import fileformat as ff
+from kvstore.tiers.index import CAPACITY
 from kvstore.tiers.sharedfs import SharedFsTier
 from kvstore.tiers.sharedfs.sweeper import LEASE, SKEW_S
 
@@ -368,14 +369,18 @@ def test_kvstore_inspect_reads_a_shared_folder(tmp_path):
 
 # -- victims: what a host lets go, and the folder's own ---------------------------------------------
 
-def _engine(tmp_path, mode: str, dram: int, nvme: int = 0) -> KVStore:
+def _engine(tmp_path, mode: str, dram: int, nvme: int = 0, **kw) -> KVStore:
     n = {"path": str(tmp_path / "nvme"), "capacity_gb": nvme_gb(nvme), "io_threads": 2, "header": "inline"} \
         if nvme else {"capacity_gb": 0}
     # headroom: a step's victims leave their slots only once written down; as many slots again
     # keep every store in DRAM (none written straight below for want of a slot)
     cfg = from_dict({"tiers": {"dram": {"capacity_gb": dram_gb(2 * dram), "headroom_blocks": dram, "pin_memory": False},
                                "nvme": n, "sharedfs": {"path": str(tmp_path / "shared"), "write_mode": mode}}})
-    return KVStore(cfg, block_bytes=BLOCK, fingerprint=bytes([1]) * 16)
+    return KVStore(cfg, block_bytes=BLOCK, fingerprint=bytes([1]) * 16, **kw)
+
+
+def _nvme_files(s: KVStore) -> int:
+    return sum(1 for p in s.nvme.root.rglob("*.kvb") if "tmp" not in p.relative_to(s.nvme.root).parts)
 
 
 @pytest.mark.parametrize("nvme", [0, 4])
@@ -402,9 +407,10 @@ def test_write_back_takes_only_what_the_host_lets_go_and_another_host_reads_it(t
         out = np.zeros((1, BLOCK), np.uint8)
         for k in keys[:let_go]:
             assert b.get([k], out) == 1 and np.array_equal(out[0], block_for(k)), k
-        for k in keys:  # (one-block chains: each its own prompt; a hit below is promoted, its victims go down)
-            out[:] = 0
+        for k in keys:  # (one-block chains: each its own prompt; a hit below is promoted, its victims go down:
+            out[:] = 0  # a file's victim is not served on its way, so each get waits for the last one's moves)
             assert a.get([k], out) == 1 and np.array_equal(out[0], block_for(k)), k
+            a.flush()
     finally:
         a.close()
         b.close()
@@ -466,3 +472,47 @@ def test_a_shared_folders_victims_go_to_the_tier_below_it(tmp_path):
         moves.shutdown()
         upper.close()
         lower.close()
+
+
+def test_an_nvme_victim_on_its_way_down_is_a_miss_not_a_leak_and_the_backlog_is_bounded(tmp_path, monkeypatch):
+    """NVMe's victims hold only their files until written to the folder (they left NVMe's index
+    and its capacity): a lookup meanwhile is a miss (a load's pin of such a file, released by its
+    tier, once kept it and its file for good), and past ``DOWN_MAX_BYTES`` in flight a move is
+    dropped, its files removed, counted as backlog. The background moves run when the test says
+    (the tuner's executor)."""
+    from kvstore.store import transfers
+    from kvstore.tune.deferred import Deferred
+
+    io = Deferred()
+    monkeypatch.setattr(transfers, "DOWN_MAX_BYTES", BLOCK)  # one move at a time (a bigger one when alone)
+    a = _engine(tmp_path, "write_back", dram=2, nvme=2, io_executor=io)
+    try:
+        k = [one_key(130 + i) for i in range(8)]
+        for i in (0, 2):
+            a.put(k[i:i + 2], blocks_for(k[i:i + 2]))
+            io.run()
+        assert a.nvme.holds(k[:2]) == [True, True] and a.dram.holds(k[2:4]) == [True, True]
+        a.put(k[4:6], blocks_for(k[4:6]))  # DRAM lets k2,k3 go to NVMe, which lets k0,k1 go to the folder
+        assert a.nvme.holds(k[:4]) == [False, False, True, True]  # (reserved there, being written)
+        out = np.zeros((1, BLOCK), np.uint8)
+        assert a.get([k[0]], out) == 0  # on its way down: a miss, nothing pinned
+        io.run()
+        assert a.get([k[0]], out) == 1 and np.array_equal(out[0], block_for(k[0]))  # from the folder
+        io.run()  # (the promotion's own victim, written down)
+        assert not a.chain.demotions.held and _nvme_files(a) == len(a.nvme) == 2  # no file left behind
+        # NVMe's two blocks let go as two moves at once (as two stores' reservations would): the
+        # first fills the budget, the second is dropped
+        victims = [a.nvme.index.remove(key, CAPACITY) for key in list(a.nvme.index.entries)]
+        assert len(victims) == 2 and None not in victims
+        below = a.chain.below(a.nvme)
+        for e in victims:
+            plan = Plan()
+            a.chain.victims(a.nvme, [e], plan)
+            a.transfers.run(plan)
+        assert a.metrics.value("kvstore_tier_skipped_blocks_total", tier="sharedfs", reason="backlog") == 1
+        io.run()
+        assert below.holds([e.key for e in victims]) == [True, False]
+        assert _nvme_files(a) == 0  # both files gone: one written down, one dropped
+        assert a.contains_prefix([victims[1].key], record=False).miss_reason == "evicted"
+    finally:
+        a.close()

@@ -14,8 +14,9 @@ blocks are never pinned. The rules between tiers are :mod:`kvstore.store.placeme
 * a stored block enters the top tier, unless a local tier below holds it (or is writing it);
 * a victim of a local tier is written down to the next local tier when the rules say so
   (``DEMOTE``), and a victim of the last local tier to the first shared tier that takes victims
-  (``write_through`` off: a shared folder under ``write_mode: write_back``); meanwhile it keeps
-  its slot (or file) and is served from it (:class:`~kvstore.store.demotions.Demotions`); a
+  (``write_through`` off: a shared folder under ``write_mode: write_back``); meanwhile a DRAM
+  victim keeps its slot and is served from it (:class:`~kvstore.store.demotions.Demotions`), a
+  file's victim keeps its file until written but is not served (a miss for that moment); a
   shared tier's victims (those its own sweeper set aside) go to the next such tier below it;
 * a hit in a lower tier is copied up into the top tier when a slot is free (a promotion);
 * a block stored in a tier is copied at once into every tier below that asks for it
@@ -58,6 +59,7 @@ class Transfer:
     views: list | None = None
     background: bool = True
     moving: bool = False  # a demotion registered in :class:`Demotions` (servable from its slot until done)
+    victims: bool = False  # a demotion of victims: each source entry's medium is freed once written
 
 
 @dataclass(slots=True)
@@ -344,13 +346,15 @@ class TierChain:
                 else:
                     ne.last_access = e.last_access  # the file's mtime: recency survives a restart
                     jobs.append((e, ne))
-            self.demotions.add(t, [e for e, _ in jobs])
+            if t.addressable:  # a slot's victim is served from it until written (a file's is not: a
+                # load's pin of it would be released by its tier, never through Demotions, and leak)
+                self.demotions.add(t, [e for e, _ in jobs])
         self.free(t, free, plan, background)
         for e, why in gone:
             self.remember_gone([e], why)
         self.turn_away([(e.key, e.asks) for e in away], plan)
         if jobs:
-            plan.transfers.append(Transfer(DEMOTE, t, below, jobs, moving=True))
+            plan.transfers.append(Transfer(DEMOTE, t, below, jobs, moving=t.addressable, victims=True))
 
     @staticmethod
     def _held_below(below: Tier, victims: Sequence[Entry]) -> list[bool]:
@@ -386,7 +390,7 @@ class TierChain:
     def demoted(self, move: Transfer, oks: Sequence[bool]) -> list[tuple[Entry, Entry]]:
         """A demotion ended: the lower copies are published with the upper recency (their TTL
         counts from the last real access); a failed one is remembered as gone. Returns the pairs
-        whose upper slot is free now."""
+        whose upper slot (or file) is free now."""
         free = []
         for (e, ne), ok in zip(move.pairs, oks):
             move.dst.commit([ne], [ok], at=e.last_access)
@@ -394,7 +398,7 @@ class TierChain:
                 self.remember_gone([e])
             if not move.moving or self.demotions.done(e):
                 free.append((e, ne))
-        if move.moving and free:
+        if (move.moving or move.victims) and free:  # (a write-back's entries stay: the caller's, pinned)
             move.src.free([e for e, _ in free])
         return free
 

@@ -31,6 +31,7 @@ from kvstore.store.chain import COPY, DEMOTE, FREE, Transfer, Plan, TierChain
 from kvstore.store.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
 from kvstore.tiers.index import Entry
+from kvstore.tiers.memory import PAGE, alloc_aligned
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,15 @@ log = logging.getLogger(__name__)
 # Copies from DRAM slots need no cap: they pin slots, which DRAM's size bounds.
 STAGED_MAX_BYTES = 512 << 20
 # A victim without a slot (a file) is read into a buffer of the mover's before it is written
-# down: this many blocks at a time per job, so a big eviction holds at most this many per thread.
-DOWN_CHUNK = 8
+# down: at most this many bytes of blocks at a time per job (one page-aligned buffer per I/O
+# thread that did such work, kept for the next: 8 blocks of 2 MiB).
+DOWN_CHUNK_BYTES = 16 << 20
+# Such victims left their tier's index (and its capacity) when evicted, and hold only their files
+# until written down: nothing else bounds them. A shared folder slower than NVMe's evictions would
+# queue them without end, and its jobs would delay DRAM's write-downs behind them. Past this many
+# bytes of them in flight, a move is dropped (its files removed) and counted
+# (kvstore_tier_skipped_blocks{reason="backlog"}); one move larger than that goes when nothing else is.
+DOWN_MAX_BYTES = 512 << 20
 
 
 class Transfers:
@@ -59,6 +67,8 @@ class Transfers:
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self._staged = 0  # bytes of staged buffers held by write-through copies in flight
+        self._down = 0  # bytes of victims without a slot being written down (DOWN_MAX_BYTES)
+        self._bufs = threading.local()  # each I/O thread's buffer for those
 
     # -- the pool ----------------------------------------------------------------------------------
     def submit(self, fn: Callable, *args) -> Future | None:
@@ -175,47 +185,91 @@ class Transfers:
 
     def _demote(self, m: Transfer) -> int:
         """Victims written down from their slots: a job per part (each slot freed when its part is
-        done), or, for a write-back of the caller's (``background`` False), all of them now."""
+        done), or, for a write-back of the caller's (``background`` False), all of them now.
+        Victims without a slot (files) go within ``DOWN_MAX_BYTES`` in flight."""
         jobs = [lambda p=[m.pairs[i] for i in part]: self._write_down(m, p) for part in self._parts(m.dst, len(m.pairs))]
         if not m.background:
             return sum(self._map(jobs))
+        if not m.src.addressable:
+            nbytes = len(m.pairs) * self.block_bytes
+            with self._lock:
+                room = self._down == 0 or self._down + nbytes <= DOWN_MAX_BYTES
+                if room:
+                    self._down += nbytes
+            if not room:  # dropped: remembered as gone, counted, their files removed on the pool
+                m.dst.abort([ne for _, ne in m.pairs])
+                self.chain.remember_gone([e for e, _ in m.pairs])
+                self.sink.plan(Plan(counts=[("backlog", m.dst.name, len(m.pairs))]))
+                self.submit(m.src.free, [e for e, _ in m.pairs])
+                return 0
+            left = [len(jobs)]
+
+            def done(job):
+                try:
+                    return job()
+                finally:
+                    with self._lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            self._down -= nbytes
+
+            jobs = [lambda j=j: done(j) for j in jobs]
         for job in jobs:
             self.submit(job)
         return 0
 
     def _write_down(self, m: Transfer, pairs: list[tuple[Entry, Entry]]) -> int:
         oks = [False] * len(pairs)
+        skip = [False] * len(pairs)  # not written, and no write failed: unread, or there already
+        up = m.dst.up  # a tier in its backoff skips the writes and counts them (down): no write failed
         try:
             for e, _ in pairs:
                 failpoints.fire("demote.write", key=e.key)
+            if m.dst.shared:  # asked here, on the I/O pool, not where the victims arose: one batch
+                there = m.dst.holds([ne.key for _, ne in pairs])
+                oks = list(there)
+                skip = list(there)
+            todo = [i for i, s in enumerate(skip) if not s]
             if m.src.addressable:  # from the slots, in place
-                oks = [bool(x) for x in m.dst.write_many([ne for _, ne in pairs],
-                                                         [m.src.slot_view(e) for e, _ in pairs])]
+                res = m.dst.write_many([pairs[i][1] for i in todo], [m.src.slot_view(pairs[i][0]) for i in todo])
+                for i, ok in zip(todo, res):
+                    oks[i] = bool(ok)
             else:
-                oks = self._read_down(m, pairs)
+                self._read_down(m, pairs, todo, oks, skip)
         except Exception as ex:  # never lost silently: counted below as failed writes
             log.warning("kvstore: writing %d blocks down to %s failed: %s", len(pairs), m.dst.name, ex)
-        self.chain.demoted(Transfer(DEMOTE, m.src, m.dst, pairs, moving=m.moving), oks)
+        self.chain.demoted(Transfer(DEMOTE, m.src, m.dst, pairs, moving=m.moving, victims=m.victims), oks)
         n = sum(oks)
         if n:
             self.sink.moved(demoted=n)
-        self.sink.wrote(m.dst.name, n, len(oks) - n)
+        self.sink.wrote(m.dst.name, n, (len(oks) - n - sum(s and not o for s, o in zip(skip, oks))) if up else 0)
         return n
 
-    def _read_down(self, m: Transfer, pairs: list[tuple[Entry, Entry]]) -> list[bool]:
-        """Victims of a tier without slots (the last local tier's files, written down to a shared
-        folder): read into buffers of this job's own, ``DOWN_CHUNK`` blocks at a time, then
-        written; a block that does not read back (gone, corrupt) is not written."""
-        oks: list[bool] = []
-        buf = np.empty((min(DOWN_CHUNK, len(pairs)), self.block_bytes), np.uint8)
-        for i in range(0, len(pairs), DOWN_CHUNK):
-            part = pairs[i:i + DOWN_CHUNK]
-            got = m.src.read_many([e for e, _ in part], list(buf[: len(part)]))
-            go = [j for j, g in enumerate(got) if g]
-            res = m.dst.write_many([part[j][1] for j in go], [buf[j] for j in go])
-            done = dict(zip(go, res))
-            oks += [bool(done.get(j, False)) for j in range(len(part))]
-        return oks
+    def _read_down(self, m: Transfer, pairs: list[tuple[Entry, Entry]], todo: list[int], oks: list[bool],
+                   skip: list[bool]) -> None:
+        """Victims of a tier without slots (the last local tier's files, or a shared folder's own,
+        written down to the shared tier below): read into this I/O thread's page-aligned buffer,
+        ``DOWN_CHUNK_BYTES`` at a time, then written; a block that does not read back (gone,
+        corrupt: its tier counted it) is not written, and counted as a failed read of its tier."""
+        buf = getattr(self._bufs, "rows", None)
+        if buf is None:
+            row = -(-self.block_bytes // PAGE) * PAGE
+            k = max(1, DOWN_CHUNK_BYTES // row)
+            buf = self._bufs.rows = alloc_aligned(k * row, prefault=False)[1].reshape(k, row)
+        unread, k = 0, len(buf)
+        for c in range(0, len(todo), k):
+            part = todo[c:c + k]
+            got = m.src.read_many([pairs[i][0] for i in part], list(buf[: len(part)]))
+            go = [i for i, g in zip(part, got) if g]
+            for i, g in zip(part, got):
+                if not g:
+                    skip[i] = True
+                    unread += 1
+            res = m.dst.write_many([pairs[i][1] for i in go], [buf[k] for k, g in enumerate(got) if g])
+            for i, ok in zip(go, res):
+                oks[i] = bool(ok)
+        if unread:
+            self.sink.failed_read(m.src.name, unread)
 
     def _copy(self, m: Transfer) -> None:
         """Write-through: a job per part into files, one batch into a batched medium."""

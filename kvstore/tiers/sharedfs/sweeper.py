@@ -192,7 +192,7 @@ class Sweeper:
         for f in os.scandir(t.tmp_fd):
             try:
                 st = f.stat(follow_symlinks=False)
-                if max(st.st_mtime, st.st_ctime) < now - TMP_MAX_AGE_S:  # (ctime: a victim set aside keeps its mtime)
+                if st.st_mtime < now - TMP_MAX_AGE_S:  # (a victim set aside: its time is its move's)
                     t.count("tmp_removed", _unlink(t.tmp_fd, f.name))
             except OSError:
                 continue
@@ -200,8 +200,8 @@ class Sweeper:
         t.count("evicted", evicted)
         t.count("sweeps")
         t.measured(len(files) - evicted, total)
-        if self.aside and t.on_victims is not None:  # the store takes them (its background thread)
-            t.on_victims()
+        if t.on_victims is not None and t.victims_waiting():  # the store takes them (its background
+            t.on_victims()  # thread); said every round while any wait (a busy store missed the last)
         return expired + evicted
 
     def _drop(self, fd: int, name: str, mtime: float, reason: str) -> int:

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 KEY = "tiers.sharedfs.path"
 BACKOFF_S = 5.0  # after a call past its deadline, the tier is skipped this long (then asked again)
 ASIDE = 1  # Entry.slot of a victim set aside in tmp/ for the tier below
-VICTIMS_MAX = 1024  # victims set aside and not yet taken; past it the sweeper removes them
+VICTIMS_MAX = 1024  # victims set aside and not yet removed (queued or being written down); past it, removed
 MIB_S = 0.05  # a call's deadline grows by this much per MiB it moves (as the Redis tier's)
 
 
@@ -117,7 +117,8 @@ class SharedFsTier(SharedTier):
             os.close(bfd)
         self.tmp_fd = open_subdir(self.root_fd, "tmp", True)
         self._leaves: dict[str, int] = {}
-        self._aside: deque[Entry] = deque()  # victims set aside, for expire (at most VICTIMS_MAX)
+        self._aside: deque[Entry] = deque()  # victims set aside, for expire
+        self._aside_n = 0  # victims set aside and not yet freed (at most VICTIMS_MAX): not in the capacity
         self.sweeper = Sweeper(self, sweep_s, lease_s, clock)
         if sweep:
             self.sweeper.start()
@@ -369,18 +370,26 @@ class SharedFsTier(SharedTier):
         """The sweeper's victim ``name`` (in ``leaf``), moved into ``tmp/`` for the tier below and
         queued for :meth:`expire`; False: not kept (no tier below, the queue full, a name that is
         not a key's, the rename failed): the sweeper removes it."""
-        if not self.keeps_victims or len(self._aside) >= VICTIMS_MAX or not name.endswith(ff.SUFFIX):
+        if not self.keeps_victims or self._aside_n >= VICTIMS_MAX or not name.endswith(ff.SUFFIX):
             return False
         try:
             key = bytes.fromhex(name[: -len(ff.SUFFIX)])
             os.rename(name, self.aside_name(key), src_dir_fd=leaf, dst_dir_fd=self.tmp_fd)
         except (ValueError, OSError):
             return False
+        try:  # its time is now: tmp/'s age rule counts from the move (a rename need not touch ctime)
+            os.utime(self.aside_name(key), dir_fd=self.tmp_fd, follow_symlinks=False)
+        except OSError:
+            pass
         e = Entry(key=key, nbytes=self.block_bytes, last_access=mtime, expire_at=math.inf, state=READY, slot=ASIDE,
                   reason=reason)
         with self.lock:
             self._aside.append(e)
+            self._aside_n += 1
         return True
+
+    def victims_waiting(self) -> bool:
+        return bool(self._aside)
 
     def expire(self, limit: int | None = None) -> list[Entry]:
         """The victims set aside (at most ``limit``, 256 by default), for the chain to write down;
@@ -393,6 +402,8 @@ class SharedFsTier(SharedTier):
         leaves them to the sweeper's ``tmp/`` rule."""
         names = [self.aside_name(e.key) for e in victims if e.slot == ASIDE]
         if names:
+            with self.lock:
+                self._aside_n -= len(names)
             try:
                 self._call(lambda: [_remove(self.tmp_fd, n) for n in names])
             except Down:
