@@ -358,10 +358,9 @@ class TierChain:
 
     @staticmethod
     def _held_below(below: Tier, victims: Sequence[Entry]) -> list[bool]:
-        """Which victims ``below`` holds already (not written again). A shared tier is not asked:
-        victims arise on the caller's thread (a store's reservation), which a stalled mount would
-        hold for its deadline; a block it has already is written again, the same bytes, on the
-        I/O pool."""
+        """Which victims ``below`` holds already (not written again). A shared tier is not asked
+        here: victims arise on the caller's thread (a store's reservation), which a stalled mount
+        would hold for its deadline; the write-down job asks it instead, on the I/O pool."""
         if below.shared:
             return [False] * len(victims)
         return below.holds([e.key for e in victims])

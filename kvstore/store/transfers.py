@@ -265,7 +265,7 @@ class Transfers:
                 if not g:
                     skip[i] = True
                     unread += 1
-            res = m.dst.write_many([pairs[i][1] for i in go], [buf[k] for k, g in enumerate(got) if g])
+            res = m.dst.write_many([pairs[i][1] for i in go], [buf[j] for j, g in enumerate(got) if g])
             for i, ok in zip(go, res):
                 oks[i] = bool(ok)
         if unread:

@@ -44,7 +44,6 @@ class Sweeper:
         self.clock = clock
         self.me = tier.id
         self.holding = False
-        self.aside = 0  # victims the last round set aside for the tier below
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -159,7 +158,6 @@ class Sweeper:
         """Remove what is past its TTL, then the least recent past the capacity, and dead writers'
         temporary files. Returns how many files it removed."""
         t, now = self.t, self.clock()
-        self.aside = 0
         files: list[tuple[float, int, int, str]] = []  # (time, bytes, leaf fd, name)
         total, expired = 0, 0
         for e in os.scandir(t.root_fd):
@@ -208,7 +206,6 @@ class Sweeper:
         """A victim: set aside for the tier below when there is one (:meth:`SharedFsTier.set_aside`),
         else removed. 1 if it left the folder."""
         if self.t.set_aside(fd, name, mtime, reason):
-            self.aside += 1
             self.t.count("set_aside")
             return 1
         return _unlink(fd, name)
