@@ -162,6 +162,32 @@ def test_reused_grid_points_equal_their_own_replay(mixed_trace):
         assert {k: v for k, v in r.items() if k not in skip} == {k: v for k, v in direct.items() if k not in skip}, s
 
 
+def test_replays_ahead_on_idle_processes_give_the_same_grid(mixed_trace, monkeypatch):
+    """With 2 processes, a wave of one replay (the TTL axis is a chain) takes the next wave's
+    likely replay along: fewer rounds, the same figures, and the same rounds on every run."""
+    c = G.Common(block_bytes=BB)
+    gb = BB / GiB
+    axes = ([40 * gb, 4000 * gb], [30, 120, 600, 1800, None], [0.0], [None])
+    pts = [(a, b, 0.0, None) for a in axes[0] for b in axes[1]]
+
+    def grid(jobs):
+        rounds = []
+        real = G.Evaluator._map
+        monkeypatch.setattr(G.Evaluator, "_map", lambda self, todo: rounds.append(len(todo)) or real(self, todo))
+        with G.Evaluator(mixed_trace, c, axes, jobs=jobs) as ev:
+            got = ev.evaluate(pts)
+        monkeypatch.undo()
+        return got, rounds
+
+    one, r1 = grid(1)
+    two, r2 = grid(2)
+    assert len(r2) < len(r1), (r1, r2)
+    assert grid(2)[1] == r2
+    skip = {"sim_seconds", "simulated", "capacity_consulted", "ttl_consulted", "sim_requests"}
+    for s, a, b in zip(pts, one, two):
+        assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}, s
+
+
 # -- recommendations on traces of known structure -----------------------------------------------
 
 
