@@ -43,6 +43,19 @@ def nvme_only(make_store, **kw):
 # -- persistence --------------------------------------------------------------------------------
 
 
+def test_the_fan_out_folders_are_made_at_start(make_store):
+    """All 256 (a fresh cache's writes made most of them, one mkdir a block), private; the
+    writes make none."""
+    s = nvme_only(make_store)
+    root = Path(s.nvme.root)
+    made = sorted(d.name for d in root.iterdir() if d.name != "tmp")
+    assert made == [f"{i:02x}" for i in range(256)]
+    assert all(stat.S_IMODE(os.stat(root / d).st_mode) == 0o700 for d in made)
+    keys = make_keys(8)
+    assert s.put(keys, blocks_for(keys)) == 8 and read_n(s, keys) == 8
+    assert sorted(d.name for d in root.iterdir() if d.name != "tmp") == made
+
+
 def test_restart_reads_back_byte_identical(make_store, clock):
     s = make_store(dram_blocks=4, nvme_blocks=32)
     keys = make_keys(10)

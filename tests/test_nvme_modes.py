@@ -185,7 +185,8 @@ def test_another_users_folder_is_removed_at_the_scan(make_store):
     root = Path(s.nvme.root)
     _give_away(root / "ab")
     s2 = nvme_only(make_store)
-    assert not (root / "ab").exists() and corrupt(s2, "foreign_owner") == 1  # with what it held: never read
+    assert corrupt(s2, "foreign_owner") == 1  # removed with what it held: never read
+    assert os.stat(root / "ab").st_uid == os.geteuid() and not os.listdir(root / "ab")  # made again, empty
     assert read_n(s2, [kc]) == 1 and read_n(s2, [ka]) == 0 and len(s2.nvme) == 1
     assert s2.put([ka, kb], blocks_for([ka, kb])) == 2 and read_n(s2, [ka, kb, kc]) == 3
     assert os.stat(root / "ab").st_uid == os.geteuid() and _mode(root / "ab") == 0o700

@@ -123,7 +123,8 @@ def test_planted_while_closed_is_counted_once_at_the_scan(make_store, outside, k
 def test_a_non_folder_at_a_fan_out_path_does_not_block_its_keys(make_store, outside, kind):
     s = nvme_only(make_store)
     k = one_key(7)
-    top = s.nvme.path_of(k).parent  # the key's fan-out folder
+    top = s.nvme.path_of(k).parent  # the key's fan-out folder (made at start: replaced while running)
+    top.rmdir()
     if kind == "file":
         top.write_bytes(b"junk")
     else:

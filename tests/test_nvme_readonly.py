@@ -171,3 +171,27 @@ def test_a_full_disk_grows_back_when_space_returns(make_store, tmp_path, clock, 
         s.close()
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+
+def test_a_start_where_not_every_folder_can_be_made(tmp_path, clock):
+    """The fan-out folders are made at start; where the file system runs out (of inodes, here)
+    the tier starts anyway: its writes are stored or counted as a full disk, never raised, and
+    what it stores reads back right."""
+    where = tmp_path / "few"
+    where.mkdir()
+    _mount("-t", "tmpfs", "-o", "size=16m,nr_inodes=64,mode=0700", "kvstore-test", str(where))
+    try:
+        t = NvmeTier(path=where / "t", namespace=b"f" * 16, capacity_bytes=16 * 12288, ttl_s=None,
+                     policy="lru", block_bytes=BLOCK, clock=clock, header="inline")
+        assert 0 < sum(1 for d in t.root.iterdir() if d.name != "tmp") < 256
+        keys = make_keys(12, seed=5)
+        stored = t.put(keys, blocks_for(keys))
+        out = np.zeros((12, BLOCK), np.uint8)
+        got = t.get(keys, out)
+        assert sum(got) == stored and t.stats["write_failed"] == 12 - stored  # (here every inode went to folders)
+        assert t.stats["disk_full"] >= 12 - stored  # the full-disk path: capacity lowered, probed again later
+        assert all(np.array_equal(o, b) for o, b, g in zip(out, blocks_for(keys), got) if g)
+        t.close()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
