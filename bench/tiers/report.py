@@ -142,7 +142,7 @@ def _threads(c: int) -> str:
 def plot(data: dict, folder: str) -> list[str]:
     """tiers_gbps.png: per tier, kvstore's GB/s beside the limit measured on the same bytes in the
     same run (named in the title), one group per op, tokens per block and caller threads;
-    tiers_latency.png: ms per call against tokens per block (16, 32, 128: the axis says so), one
+    tiers_latency.png: ms per call against tokens per block (16 to 256: the axis says so), one
     line per op and thread count. Legends sit below the panels, never over the data."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
