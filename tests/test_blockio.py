@@ -275,9 +275,9 @@ def test_loose_modes_get_the_tiers_verdict(tmp_path, bio):
 def test_a_write_in_the_way_gets_the_tiers_handling(tmp_path, bio, header):
     def damage(t, ks, where):
         bad = t.path_of(ks[3]).parent
-        bad.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        bad.rmdir()  # (made at start, empty)
         bad.write_bytes(b"not a folder")  # the leaf folder's name is taken by a file
-        t.path_of(ks[1]).parent.mkdir(parents=True, mode=0o700)
+        t.path_of(ks[1]).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         t.path_of(ks[1]).mkdir(mode=0o700)  # a folder planted at a block path
 
     oks, stats, reasons, tmp = _both(tmp_path, bio, header, 5, damage, "put")
