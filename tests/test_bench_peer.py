@@ -42,7 +42,7 @@ def test_bench_without_the_peer_prints_one_line_and_measures_the_rest(tmp_path, 
     out = capsys.readouterr().out
     assert out.count("lmcache peer not installed: run make peers") == 2  # the line, and the report's note
     assert "Traceback" not in out
-    assert data["peer"] == "lmcache peer not installed: run make peers"
+    assert data["peer"] == "lmcache peer not installed: run make peers" and data["peer_choices"] is None
     assert [r["path"] for r in data["results"]] == ["store", "store"] and all(r["verified"] for r in data["results"])
 
 
@@ -79,5 +79,9 @@ def test_rows_beside_the_peer(tmp_path):
                 continue
             assert cols[i + 1] == "ratio" and float(vals[i + 1]) == pytest.approx(float(vals[i]) / lim, abs=2e-3)
         assert cells["bytes ok"] == "yes"
-    text = tiers.render({**data, "results": rows + peer_rows, "peer": "lmcache 0.5.6"})
+    choices = [list(c) for c in tiers_peer.CHOICES]
+    text = tiers.render({**data, "results": rows + peer_rows, "peer": "lmcache 0.5.6", "peer_choices": choices})
     assert "kvstore beside lmcache 0.5.6" in text
+    said = text.split("How the peer is driven, each choice and the side it favours:\n", 1)[1].splitlines()
+    assert said[:len(choices)] == [f"- {what}: favours {whom}" for what, whom in choices]
+    assert {"LMCache", "kvstore"} <= {whom.split()[0] for _, whom in choices}  # each side is named

@@ -62,6 +62,7 @@ from kvstore.bench.tiers.kvdata import KINDS
 from kvstore.bench.tiers.kvdata import fill as fill_kv
 from kvstore.bench.tiers.limits import memcpy_gbps, odirect_gbps
 from kvstore.bench.tiers.local import measure
+from kvstore.bench.tiers.peer import CHOICES as PEER_CHOICES
 from kvstore.bench.tiers.remote import REMOTE_HEADER
 from kvstore.bench.tiers.report import plot, render
 from kvstore.tiers.memory import alloc_aligned
@@ -214,7 +215,7 @@ def run(a: argparse.Namespace) -> dict:
             peer.close()
     folder_ctx.cleanup()
     data = {"limits": limits, "results": results, "skipped": skipped, "kv_data": data_notes,
-            "peer": peer_note, "params": {"kv_data": a.kv_data, "total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
+            "peer": peer_note, "peer_choices": [list(c) for c in PEER_CHOICES] if peer is not None else None, "params": {"kv_data": a.kv_data, "total_mb": a.total_mb, "layers": a.layers, "kv_heads": a.kv_heads, "head_size": a.head_size,
                        "dtype_bytes": a.dtype_bytes, "batch": a.batch, "repeats": a.repeats,
                        "io_threads": a.io_threads, "block_tokens": block_tokens, "concurrency": concurrency,
                        "codecs": codecs, "tiers": tiers, "nvme_paths": a.nvme_paths,

@@ -36,6 +36,31 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: bench/tiers/../..
 VENV = ROOT / ".venv-peers"
 MISSING = "lmcache peer not installed: run make peers"
 NAMES = ("lmcache",)
+# How the peer is driven, each choice beside the side it favours (printed with the table: issue
+# 50 asks that a reader can weigh the comparison). From LMCache 0.5.6's StorageManager
+# (batched_put, batched_get) and its two local backends, read for this bench.
+CHOICES = (
+    ("puts: allocate from its LocalCPUBackend, copy in, batched_submit_put_task on the caller's thread, "
+     "ref_count_down, as StorageManager.batched_put does; disk writes run on its own 4 I/O threads "
+     "(disk_io_threads) and the put is timed until the last file is written, as kvstore's until its files "
+     "are in place", "neither"),
+    ("gets: batched_get_blocking (one key on the caller's thread, more on its 4-thread pool), copy out, "
+     "ref_count_down, as StorageManager.batched_get does", "neither"),
+    ("no lookup call before a get, on either side (vLLM asks it apart, when it schedules; kvstore's get "
+     "pins what it finds inside the call)", "neither"),
+    ("O_DIRECT on for its disk (use_odirect; taken only where a chunk is page aligned, which every block "
+     "here is), neither side fsyncs", "LMCache (its fastest disk path)"),
+    ("disk rows: local_cpu off (its default keeps a DRAM copy of every chunk, so a get would read DRAM, "
+     "not the disk)", "neither (the disk is what is measured)"),
+    ("one block per chunk (chunk_size = the row's tokens), the bytes kvstore stores per key, not LMCache's "
+     "256-token default chunk", "kvstore on 16- and 32-token rows (more objects per byte for LMCache)"),
+    ("its MixedMemoryAllocator pool, sized for the row and pre-faulted, as a running LMCache's after "
+     "warm-up", "neither"),
+    ("1 or 4 caller threads on one backend, as kvstore's rows (a vLLM worker calls it from one thread: the "
+     "4-caller rows are outside its usual use)", "not measured apart"),
+    ("per-call latency (p50/p99 ms) of a disk put counts its submission only: the writes end later",
+     "LMCache in the latency columns only"),
+)
 
 
 # ------------------------------------------------------------------------------ bench side

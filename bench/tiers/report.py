@@ -52,6 +52,9 @@ def render(data: dict) -> str:
                 "as its StorageManager drives them; same bytes, threads, folder; interleaved, rotated order each "
                 "repeat). Each store's ratio is to the same row's limit; x = the median over the repeats of kvstore's GB/s / "
                 "LMCache's in the same repeat.\n\n" + peer)
+        if data.get("peer_choices"):
+            out += "\n\nHow the peer is driven, each choice and the side it favours:\n" + "\n".join(
+                f"- {what}: favours {whom}" for what, whom in data["peer_choices"])
     if data.get("peer") and not peer:
         out += f"\n\nPeer: {data['peer']}"
     remote = [r for r in data["results"] if r["tier"] == "remote"]
