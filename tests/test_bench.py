@@ -674,3 +674,7 @@ def test_the_restart_scan_time_indexes_every_file_it_wrote(tmp_path, monkeypatch
     assert r["indexed"] == 300 and r["cold"] is True and len(drops) == 3
     monkeypatch.setattr(nvme_profile, "drop_caches", lambda: False)  # not root: warm scans, said so
     assert nvme_profile.scan_time(10, 4096, str(tmp_path / "user"), "xattr", repeats=1, cold=True)["cold"] is False
+    # --scan-old: every file put in the two-level layout first (checked there), the first scan
+    # migrates them all (timed apart), none left behind, the scans after it index them all
+    r = nvme_profile.scan_time(300, 4096, str(tmp_path / "old"), "xattr", repeats=2, old=True)
+    assert r["migrated"] == 300 and r["left_old"] == 0 and r["migrate_s"] > 0 and r["indexed"] == 300

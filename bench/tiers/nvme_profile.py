@@ -10,7 +10,7 @@ file recycled, kvstore/tiers/nvme/pool.py).
     python -m kvstore.bench.tiers.nvme_profile --depths 8,1,2,4 --block-mib 2,4,16 --callers 1,4 --total-mb 512 --repeats 5
     python -m kvstore.bench.tiers.nvme_profile --cpu-beside 0,0.4,0.8 --block-mib 2,16 --total-mb 512 --repeats 7
     python -m kvstore.bench.tiers.nvme_profile --hash-cost --block-mib 2,16 --total-mb 512 --repeats 6
-    python -m kvstore.bench.tiers.nvme_profile --scan 100000 [--scan-cold]
+    python -m kvstore.bench.tiers.nvme_profile --scan 100000 [--scan-cold] [--scan-old]
 
 Per block, in microseconds: each call's time summed over the threads that made it (so with 4 I/O
 threads the sum exceeds the wall time), the wall time per block, and the limit's time per block.
@@ -176,6 +176,8 @@ def main(argv=None) -> None:
     p.add_argument("--scan-kib", type=int, default=4)
     p.add_argument("--scan-cold", action="store_true", help="with --scan: the caches dropped before each scan "
                    "(as after a reboot; needs root)")
+    p.add_argument("--scan-old", action="store_true", help="with --scan: the files first put in the old two-level "
+                   "layout (<k0k1>/<k2k3>/); the first scan is the migration (timed apart), the rest scan the result")
     p.add_argument("--cpu-beside", default=None, metavar="F,F,...", help="the O_DIRECT read limit with a thread "
                    "hashing (xxh3, without the GIL) this fraction of a core beside it, e.g. 0,0.4,0.8")
     p.add_argument("--hash-cost", action="store_true", help="one caller's reads through the native engine alone, "
@@ -198,9 +200,13 @@ def main(argv=None) -> None:
             return
         if a.scan:
             for header in ("xattr", "inline"):
-                r = scan_time(a.scan, a.scan_kib << 10, d, header, a.repeats, a.scan_cold)
+                r = scan_time(a.scan, a.scan_kib << 10, d, header, a.repeats, a.scan_cold, a.scan_old)
                 if a.scan_cold and not r["cold"]:
                     print("--scan-cold: this user may not drop the caches (/proc/sys/vm/drop_caches): warm scans")
+                if a.scan_old:
+                    print(f"migration of {r['files']} block files from the two-level layout ({header} headers): "
+                          f"{r['migrate_s']:.2f} s ({r['migrate_s'] / r['files'] * 1e6:.0f} us a file); indexed "
+                          f"{r['migrated']}, left in the old layout {r['left_old']}; the scans after it:")
                 print(f"restart scan, {r['files']} block files of {a.scan_kib} KiB ({header} headers, "
                       f"{'cold' if r['cold'] else 'warm'} caches): "
                       f"{' '.join(f'{t:.2f}' for t in r['seconds'])} s ({r['us_per_file']:.0f} us a file, median); "
@@ -371,7 +377,7 @@ def drop_caches() -> bool:
 
 
 def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repeats: int = 3,
-              cold: bool = False) -> dict:
+              cold: bool = False, old: bool = False) -> dict:
     """Write ``n`` block files (the engine, batches of 256), then time a tier's start-up scan of
     them ``repeats`` times (a new tier each time: headers read, files checked, the index rebuilt;
     the page cache as the writes left it, warm; ``cold``: the caches dropped before each scan, as
@@ -395,6 +401,25 @@ def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repe
         t.commit(es, t.write_many(es, list(src[: len(ks)])))
     write_s = time.perf_counter() - t0
     t.close()
+    out = {}
+    if old:  # each file into the two-level layout, the one-level folders left empty (as a pre-flat store left them)
+        root = t.root
+        for d1 in os.listdir(root):
+            if len(d1) != 2:
+                continue
+            for f in os.listdir(os.path.join(root, d1)):
+                os.makedirs(os.path.join(root, d1, f[2:4]), mode=0o700, exist_ok=True)
+                os.rename(os.path.join(root, d1, f), os.path.join(root, d1, f[2:4], f))
+        depth2 = lambda: sum(len(fs) for w, _, fs in os.walk(root)  # noqa: E731
+                             if w.count(os.sep) - str(root).count(os.sep) == 2)
+        assert depth2() == n, "the files were not put in the old layout"
+        cold = cold and drop_caches()
+        t0 = time.perf_counter()
+        t = mk()
+        out["migrate_s"] = time.perf_counter() - t0
+        out["migrated"] = len(t.index.entries)
+        out["left_old"] = depth2()
+        t.close()
     secs = []
     for _ in range(repeats):
         cold = cold and drop_caches()
@@ -407,7 +432,7 @@ def scan_time(n: int, block_bytes: int, folder: str, header: str = "xattr", repe
 
     shutil.rmtree(t.root, ignore_errors=True)
     return {"files": n, "seconds": secs, "us_per_file": statistics.median(secs) / n * 1e6, "indexed": indexed,
-            "dropped": dropped, "write_s": write_s, "cold": cold}
+            "dropped": dropped, "write_s": write_s, "cold": cold, **out}
 
 
 # -- layouts: what one block file per block costs in steady state (a full cache: every new block
