@@ -184,21 +184,22 @@ class Evaluator:
     def _index(self, s: Setting) -> tuple[int, ...]:
         return tuple(ax.index(v) for ax, v in zip(self.axes, s))
 
+    def _smaller(self, s: Setting, a: int, steps: int = 1) -> Setting | None:
+        """``s`` with axis ``a`` ``steps`` positions smaller (None below the axis's first)."""
+        i = self.axes[a].index(s[a]) - steps
+        return None if i < 0 else s[:a] + (self.axes[a][i],) + s[a + 1:]
+
+    @staticmethod
+    def _consulted(r: dict, a: int) -> bool:
+        """Did the replay ``r`` consult axis ``a`` (its tier's capacity or TTL)?"""
+        return r["capacity_consulted" if a % 2 == 0 else "ttl_consulted"][TOP if a < 2 else LOWER]
+
     def _source(self, s: Setting) -> Setting | None:
         """An evaluated neighbour one step smaller on one axis that did not consult that axis."""
-        idx = self._index(s)
         for a in range(4):  # not admit_after: a larger one can turn blocks away that a smaller admits
-            if idx[a] == 0:
-                continue
-            q = list(s)
-            q[a] = self.axes[a][idx[a] - 1]
-            q = tuple(q)
-            r = self.results.get(q)
-            if r is None:
-                continue
-            tier = TOP if a < 2 else LOWER
-            used = r["capacity_consulted" if a % 2 == 0 else "ttl_consulted"][tier]
-            if not used:
+            q = self._smaller(s, a)
+            r = self.results.get(q) if q is not None else None
+            if r is not None and not self._consulted(r, a):
                 return q
         return None
 
@@ -206,17 +207,11 @@ class Evaluator:
         """Would ``s`` be replayed once its wave comes? Known where each smaller neighbour is
         known; a neighbour not yet known is taken to consult its axis as its own smaller neighbour
         on that axis did (unknown too: it does)."""
-        idx = self._index(s)
         for a in range(4):
-            if idx[a] == 0:
-                continue
-            q = list(s)
-            q[a] = self.axes[a][idx[a] - 1]
-            r = self.results.get(tuple(q))
-            if r is None and idx[a] >= 2:
-                q[a] = self.axes[a][idx[a] - 2]
-                r = self.results.get(tuple(q))
-            if r is not None and not r["capacity_consulted" if a % 2 == 0 else "ttl_consulted"][TOP if a < 2 else LOWER]:
+            r = self.results.get(self._smaller(s, a))
+            if r is None and self._smaller(s, a, 2) is not None:
+                r = self.results.get(self._smaller(s, a, 2))
+            if r is not None and not self._consulted(r, a):
                 return False
         return True
 
