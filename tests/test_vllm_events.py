@@ -21,6 +21,8 @@ from conftest import in_process_vllm  # noqa: E402
 vllm = in_process_vllm()
 
 from kvstore.bench.common.engine import Engine, connector_config, kv_transfer  # noqa: E402
+from kvstore import failpoints  # noqa: E402
+from kvstore.bench.e2e.cases import quiesce  # noqa: E402
 from kvstore.offload import shared as shared_mod  # noqa: E402
 from conftest import prompt  # noqa: E402
 
@@ -62,8 +64,17 @@ class Subscriber:
                 continue
             self.events.extend(self.decoder.decode(payload).events)
 
-    def settle(self, s: float = 0.6) -> list:
-        time.sleep(s)  # the publisher's thread sends what the last step queued
+    def settle(self, s: float = 0.6, most: float = 10.0) -> list:
+        """The events once none came for ``s`` seconds (at most ``most``): the publisher's thread
+        sends what the last step queued, and a loaded machine may delay its delivery."""
+        end = time.monotonic() + most
+        n, quiet = len(self.events), time.monotonic()
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            if len(self.events) != n:
+                n, quiet = len(self.events), time.monotonic()
+            elif time.monotonic() - quiet >= s:
+                break
         return list(self.events)
 
     def close(self) -> None:
@@ -81,6 +92,16 @@ def _engine(model: str, store: str, port: int, mp: bool = False, nvme_ttl: float
     return Engine(model, block_size=BS, max_len=2048, kv_transfer=kv_transfer(cfg), mp=mp,
                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                   endpoint=f"tcp://*:{port}", topic="kv"), **kw)
+
+
+def _published(eng: Engine) -> None:
+    """Every store the last request started has ended and its events are published: kvstore hands
+    its events to vLLM at an engine step, so a write-through that ends after the request's last step
+    is announced at the next one. Here that step is a prompt shorter than a block (nothing stored).
+    Without it, p2's NVMe writes once all ended after its last step, none announced yet (a
+    fresh-clone CI run, 2026-11-30); the test now holds them past it every time."""
+    quiesce()
+    eng.generate([prompt(5, 77)], 1)
 
 
 def _gpu_hashes(events, tokens: list[int]) -> list[int]:
@@ -116,6 +137,7 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
     sub = Subscriber(port)
     try:
         eng.generate([p1], 8)
+        _published(eng)
         ev = sub.settle()
         h1 = _gpu_hashes(ev, p1)
         assert len(h1) == 4
@@ -128,8 +150,15 @@ def test_tiers_on_vllms_event_stream(tiny_model, tmp_path):
                        for e in _ours(ev, "BlockStored", medium))
         assert not _ours(ev, "BlockRemoved", "CPU")
 
-        # eviction: a 10-block prompt in an 8-block DRAM tier pushes p1 out of DRAM (NVMe keeps it)
-        eng.generate([p2], 4)
+        # eviction: a 10-block prompt in an 8-block DRAM tier pushes p1 out of DRAM (NVMe keeps it).
+        # p2's writes to NVMe are held until its request has ended: announced at the next step
+        failpoints.close_gate()
+        failpoints.arm("nvme.write=hold")
+        try:
+            eng.generate([p2], 4)
+        finally:
+            failpoints.clear()  # the gate opens: the held writes go on
+        _published(eng)
         ev = sub.settle()
         assert set(h1) <= _hashes(ev, "BlockRemoved", "CPU")
         assert not set(h1) & _hashes(ev, "BlockRemoved", "STORAGE")
